@@ -1,0 +1,41 @@
+"""Hugging Face configs without the hub and without remote code.
+
+Kimi K2's ``config.json`` says ``model_type: kimi_k2`` with an ``auto_map`` into the repository's own
+``configuration_deepseek.py``; transformers does not know that type. The architecture is DeepSeek-V3
+(``architectures: ["DeepseekV3ForCausalLM"]``), so we build transformers' own ``DeepseekV3Config`` from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_TYPE_ALIASES", "read_config_json", "load_hf_config"]
+
+# model_type in a config.json -> the transformers model_type that implements it.
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+# Keys that point at remote code or describe how one checkpoint is stored, not the architecture.
+_NON_ARCHITECTURE_KEYS = ("auto_map", "quantization_config")
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a directory (or the file itself) as a dict."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    with open(file) as handle:
+        return json.load(handle)
+
+
+def load_hf_config(path: str | Path):
+    """A transformers ``PretrainedConfig`` for ``path``, never executing remote code."""
+    from transformers import AutoConfig
+
+    raw = read_config_json(path)
+    model_type = raw.get("model_type")
+    target_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    fields = {k: v for k, v in raw.items() if k not in _NON_ARCHITECTURE_KEYS and k != "model_type"}
+    config = AutoConfig.for_model(target_type, **fields)
+    config.source_model_type = model_type  # kept so an export can write the source's model_type back
+    return config
