@@ -62,6 +62,29 @@ class UnsupportedStackError(RuntimeError):
     pass
 
 
+def pretrain_template():
+    """Megatron Bridge's base pre-training ``ConfigContainer`` (every upstream recipe starts from it)."""
+    from bridge_ext.cpu_mode import install_te_import_guard
+
+    install_te_import_guard()
+    from megatron.bridge.recipes.common import _pretrain_common  # 0.3.x location
+
+    return _pretrain_common()
+
+
+def check_optimizer_fields(preset: str, fields: dict) -> None:
+    """Fail clearly when a preset sets a Muon field the installed megatron-core does not have."""
+    from bridge_ext.errors import UserError
+
+    unknown = sorted(k for k in fields if k.startswith("muon_") and k not in installed_stack().muon_fields)
+    if unknown:
+        raise UserError(
+            f"optimizer preset '{preset}' sets {', '.join(unknown)}, which megatron-core "
+            f"{'.'.join(map(str, installed_stack().core))} does not have; pick another preset"
+        )
+
+
+
 @cache
 def installed_stack() -> Stack:
     """The supported stack matching the installed megatron-bridge / megatron-core versions."""

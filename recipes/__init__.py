@@ -1,0 +1,68 @@
+"""Training recipes: a model spec, an optimizer preset and a layout, composed by name.
+
+Pure data, importable without torch or Megatron; ``bridge_ext.build`` turns a recipe into Megatron
+Bridge's ``ConfigContainer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from bridge_ext.errors import UserError, closest
+from recipes.layouts import LAYOUTS, Layout
+from recipes.models import MODELS, ModelSpec
+from recipes.optimizers import PRESETS, OptimizerPreset
+
+__all__ = ["RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    name: str
+    model: ModelSpec
+    preset: OptimizerPreset
+    layouts: Mapping[str, Layout]  # first one is the default
+    twin: str  # the same recipe with the other optimizer, for A/B runs
+
+    @property
+    def default_layout(self) -> str:
+        return next(iter(self.layouts))
+
+    def layout(self, name: str | None = None) -> Layout:
+        name = name or self.default_layout
+        if name not in self.layouts:
+            raise UserError(
+                f"layout '{name}' is not defined for {self.name}{closest(name, self.layouts)}; "
+                f"choose one of: {', '.join(self.layouts)}"
+            )
+        return self.layouts[name]
+
+
+# Muon preset each model's `_muon` recipe uses; the `_adamw` twin always uses "adamw".
+_MUON_PRESET = {model: "nvidia_perf" for model in MODELS}
+
+
+def _compose() -> dict[str, Recipe]:
+    recipes = {}
+    for model_name, model in MODELS.items():
+        for suffix, preset, twin in (("muon", _MUON_PRESET[model_name], "adamw"), ("adamw", "adamw", "muon")):
+            name = f"{model_name}_{suffix}"
+            recipes[name] = Recipe(
+                name=name,
+                model=model,
+                preset=PRESETS[preset],
+                layouts=LAYOUTS[model_name],
+                twin=f"{model_name}_{twin}",
+            )
+    return recipes
+
+
+RECIPES: dict[str, Recipe] = _compose()
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``; a ``UserError`` naming the closest one otherwise."""
+    if name not in RECIPES:
+        raise UserError(f"unknown recipe '{name}'{closest(name, RECIPES)}; `nemo llm recipes` lists them")
+    return RECIPES[name]

@@ -1,0 +1,168 @@
+"""Recipe -> Megatron Bridge ``ConfigContainer``.
+
+The model comes from the recipe's shipped HF ``config.json`` through ``AutoBridge`` (no hub id, no
+weights); the base template, optimizer and scheduler configs are Megatron Bridge's own classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from typing import TYPE_CHECKING
+
+from bridge_ext.cpu_mode import have_transformer_engine, install_te_import_guard
+from bridge_ext.errors import UserError
+from bridge_ext.hf import load_hf_config
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import ConfigContainer
+
+    from recipes import Layout, Recipe
+
+__all__ = ["build_config", "model_provider", "validate_for_layout"]
+
+OUTPUT_ROOT = "nemo_experiments"  # relative, so resolved YAML is the same on every machine
+
+
+def model_provider(recipe: Recipe):
+    """Megatron provider for the recipe's model, from its shipped HF config (no weights)."""
+    install_te_import_guard()
+    from megatron.bridge import AutoBridge
+
+    hf_config = load_hf_config(recipe.model.config_dir)
+    provider = AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
+    spec = provider.transformer_layer_spec
+    if isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
+        # megatron/bridge/models/deepseek/deepseek_v3_bridge.py:51 bakes the *building* machine's TE
+        # availability into the spec; a recipe targets GPUs with TE wherever it is built (CPU mode
+        # switches to the local spec itself).
+        provider.transformer_layer_spec = functools.partial(spec.func, *spec.args,
+                                                            **{**spec.keywords, "use_transformer_engine": True})
+    # megatron/bridge/models/gpt_provider.py:186 defaults this to "is the fused kernel importable here";
+    # the GPU target has it (CPU mode turns it off).
+    provider.gradient_accumulation_fusion = True
+    return provider
+
+
+def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
+    import torch
+
+    model = cfg.model
+    model.tensor_model_parallel_size = layout.tp
+    model.pipeline_model_parallel_size = layout.pp
+    model.virtual_pipeline_model_parallel_size = layout.vp
+    model.expert_model_parallel_size = layout.ep
+    model.expert_tensor_parallel_size = layout.etp
+    model.context_parallel_size = layout.cp
+    model.sequence_parallel = layout.sequence_parallel
+    model.pipeline_dtype = torch.bfloat16 if layout.pp > 1 else None
+    model.pipeline_model_parallel_layout = layout.pipeline_layout
+    if layout.pipeline_layout:  # an explicit layout replaces the embedding/loss accounting heuristics
+        model.account_for_embedding_in_pipeline_split = False
+        model.account_for_loss_in_pipeline_split = False
+    model.seq_length = layout.seq_length
+    for key, value in layout.model.items():
+        if not hasattr(model, key):
+            raise AttributeError(f"layout {layout.cluster} sets unknown provider field {key}")
+        setattr(model, key, copy.deepcopy(value))
+    cfg.dataset.seq_length = layout.seq_length
+    cfg.train.micro_batch_size = layout.micro_batch_size
+    cfg.train.global_batch_size = layout.global_batch_size
+    cfg.mixed_precision = layout.precision
+
+
+def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
+    from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
+
+    from bridge_ext.compat import check_optimizer_fields
+
+    preset = recipe.preset
+    check_optimizer_fields(preset.name, preset.optimizer)
+    bf16 = isinstance(cfg.mixed_precision, str) and cfg.mixed_precision.startswith("bf16")
+    cfg.optimizer = OptimizerConfig(**preset.optimizer, bf16=bf16, fp16=False)
+    cfg.scheduler = SchedulerConfig(**preset.scheduler)
+    for key, value in preset.ddp.items():
+        setattr(cfg.ddp, key, value)
+
+
+def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
+    """The recipe's full ``ConfigContainer`` on the named layout (default: the recipe's first)."""
+    from bridge_ext.compat import pretrain_template
+
+    chosen = recipe.layout(layout)
+    problems = chosen.problems(recipe.model.num_layers)
+    if problems:
+        raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
+
+    cfg = pretrain_template()
+    cfg.model = model_provider(recipe)
+    _apply_layout(cfg, chosen)
+    _apply_preset(cfg, recipe)
+
+    # Mock data by default: NullTokenizer over the model's vocabulary. Real data: set dataset.blend and
+    # the tokenizer (see docs/recipes.md).
+    cfg.tokenizer.tokenizer_type = "NullTokenizer"
+    cfg.tokenizer.tokenizer_model = None
+    cfg.tokenizer.vocab_size = cfg.model.vocab_size
+    run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
+    cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
+    cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
+    return cfg
+
+
+# Provider flags whose validation only checks that Transformer Engine kernels import on this machine
+# (megatron/core/transformer/transformer_config.py:1834 for moe_permute_fusion, megatron-core 0.16.1).
+_TE_KERNEL_FLAGS = ("moe_permute_fusion",)
+
+
+@contextlib.contextmanager
+def _skip_gpu_only_validation():
+    """Skip the checks of ``validate()`` that query the GPU itself when no GPU is visible.
+
+    ``megatron/bridge/training/config.py:1608`` (megatron-bridge 0.3.1) ends ``validate()`` with
+    ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py:75``), which reads
+    ``torch.cuda.get_device_properties(0)``: a dry run on a login node checks everything else.
+    """
+    import torch
+    from megatron.bridge.training import config as mb_config
+
+    if torch.cuda.is_available():
+        yield
+        return
+    original = mb_config.validate_flex_dispatcher_backend
+    mb_config.validate_flex_dispatcher_backend = lambda model_config: None
+    try:
+        yield
+    finally:
+        mb_config.validate_flex_dispatcher_backend = original
+
+
+def validate_for_layout(cfg: ConfigContainer, *, gpus: int) -> ConfigContainer:
+    """Run Megatron Bridge's ``ConfigContainer.validate()`` as if on ``gpus`` ranks; returns the copy.
+
+    Validation mutates (finalizes) the config, so it runs on a deep copy. Checks that need the GPU
+    itself (e.g. the flex dispatcher's device check) are skipped when none is visible.
+    """
+    checked = copy.deepcopy(cfg)
+    tp_pp_cp = (
+        checked.model.tensor_model_parallel_size
+        * checked.model.pipeline_model_parallel_size
+        * checked.model.context_parallel_size
+    )
+    if gpus % tp_pp_cp:
+        raise UserError(f"{gpus} GPUs are not divisible by tp*pp*cp={tp_pp_cp}; fix the parallel sizes")
+    checked.data_parallel_size = gpus // tp_pp_cp
+    if checked.comm_overlap is not None:
+        checked.comm_overlap.data_parallel_size = checked.data_parallel_size
+    if not have_transformer_engine():
+        # These only check that TE's kernels are importable here, which says nothing about the target.
+        for flag in _TE_KERNEL_FLAGS:
+            setattr(checked.model, flag, False)
+    try:
+        with _skip_gpu_only_validation():
+            checked.validate()
+    except (AssertionError, ValueError, TypeError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"the config does not validate: {message}") from None
+    return checked

@@ -1,0 +1,296 @@
+"""``nemo llm ...``: recipes by name, plus NeMo-Run passthrough.
+
+This package installs a ``nemo`` command. NeMo-Run (in the NeMo container) installs one too; whatever this
+package does not handle (``nemo llm pretrain --factory ...``, ``nemo experiment ...``) is handed to
+NeMo-Run's CLI unchanged when it is installed.
+
+Fast paths (``recipes``, ``info``) read the shipped configs only; torch and Megatron load lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.errors import UserError
+
+__all__ = ["main"]
+
+OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export")
+
+
+def _err(text: str) -> None:
+    print(f"error: {text}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+def _recipe_rows():
+    from recipes import RECIPES
+
+    for recipe in RECIPES.values():
+        layout = recipe.layout()
+        yield recipe, layout
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    rows = list(_recipe_rows())
+    if args.json:
+        print(json.dumps([_info(recipe, None) for recipe, _ in rows], indent=2))
+        return 0
+    header = f"{'recipe':<24} {'model':<17} {'optimizer':<12} {'default layout':<52} other layouts"
+    print(header)
+    for recipe, layout in rows:
+        p = layout.parallelism()
+        shape = f"{layout.cluster}: TP{p['tp']} PP{p['pp']}" + (f" VP{p['vp']}" if p["vp"] else "")
+        shape += (f" EP{p['ep']}" if p["ep"] > 1 else "") + f" DP{p['dp']} GBS{layout.global_batch_size}"
+        others = ", ".join(name for name in recipe.layouts if name != recipe.default_layout) or "-"
+        print(f"{recipe.name:<24} {recipe.model.display:<17} {recipe.preset.name:<12} {shape:<52} {others}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- info
+def _info(recipe, layout_name: str | None) -> dict[str, Any]:
+    layout = recipe.layout(layout_name)
+    model = recipe.model
+    return {
+        "name": recipe.name,
+        "model": model.display,
+        "model_type": model.hf_config["model_type"],
+        "architecture": model.hf_config["architectures"][0],
+        "num_layers": model.num_layers,
+        "hidden_size": model.hf_config["hidden_size"],
+        "params_total": model.params.total,
+        "params_active": model.params.active,
+        "optimizer": {"preset": recipe.preset.name, **recipe.preset.optimizer},
+        "scheduler": dict(recipe.preset.scheduler),
+        "layout": {"name": layout.cluster, **layout.parallelism()},
+        "micro_batch_size": layout.micro_batch_size,
+        "global_batch_size": layout.global_batch_size,
+        "seq_length": layout.seq_length,
+        "precision": layout.precision,
+        "twin": recipe.twin,
+        "layouts": list(recipe.layouts),
+    }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from recipes import get_recipe
+
+    info = _info(get_recipe(args.recipe), args.layout)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(map(len, info))
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, int) and key.startswith("params"):
+            value = f"{value / 1e9:.2f} B ({value:,})"
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- pretrain
+def _write_atomic(path: Path, text: str, *, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise UserError(f"{path} exists; pass --overwrite to replace it")
+    if not path.parent.exists():
+        raise UserError(f"directory {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _summary(recipe_name: str, layout: str, cfg, gpus: int) -> str:
+    m, o, t = cfg.model, cfg.optimizer, cfg.train
+    parallel = (f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size}"
+                f" VP{m.virtual_pipeline_model_parallel_size or 1} EP{m.expert_model_parallel_size}"
+                f" ETP{m.expert_tensor_parallel_size or 1} CP{m.context_parallel_size}"
+                f" DP{cfg.data_parallel_size} on {gpus} GPUs")
+    muon = ", ".join(f"{k.removeprefix('muon_')}={getattr(o, k)}" for k in vars(o) if k.startswith("muon_"))
+    lines = [
+        f"recipe      {recipe_name} (layout {layout})",
+        f"model       {type(m).__name__}: {m.num_layers} layers, hidden {m.hidden_size}"
+        + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.num_moe_experts else ""),
+        f"parallel    {parallel}",
+        f"batch       global {t.global_batch_size}, micro {t.micro_batch_size}, seq {m.seq_length}, "
+        f"{t.train_iters} iterations",
+        f"precision   {cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else 'custom'}",
+        f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
+    ]
+    if o.optimizer in ("muon", "dist_muon"):
+        lines.append(f"muon        {muon}")
+    return "\n".join(lines)
+
+
+def _resolve(args: argparse.Namespace):
+    """Recipe -> YAML -> command line, with progress on stderr while Megatron loads."""
+    from recipes import get_recipe
+
+    recipe = get_recipe(args.recipe)
+    layout = recipe.layout(args.layout)
+    if args.yaml:  # fail before the slow imports
+        from bridge_ext.overrides import load_yaml_file
+
+        load_yaml_file(args.yaml)
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"building {recipe.name} ({layout.cluster}) ..."):
+        _quiet_megatron()
+        from bridge_ext.build import build_config, validate_for_layout
+        from bridge_ext.overrides import apply_user_overrides
+
+        cfg = build_config(recipe, layout=args.layout)
+        apply_user_overrides(cfg, yaml_path=args.yaml, overrides=args.overrides)
+        checked = validate_for_layout(cfg, gpus=layout.gpus)
+    return recipe, layout, cfg, checked
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    unknown_flags = [o for o in args.overrides if o.startswith("-")]
+    if unknown_flags:
+        raise UserError(f"unknown option {unknown_flags[0]}; see `nemo llm pretrain --help`")
+    if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
+        raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
+    recipe, layout, cfg, checked = _resolve(args)
+    from bridge_ext.overrides import config_to_yaml
+
+    resolved = config_to_yaml(cfg)
+    if args.to_yaml:
+        _write_atomic(Path(args.to_yaml), resolved, overwrite=args.overwrite)
+        print(f"wrote {args.to_yaml} ({recipe.name}, layout {layout.cluster})", file=sys.stderr)
+        return 0
+    if args.dryrun:
+        print(_summary(recipe.name, layout.cluster, checked, layout.gpus))
+        print("---")
+        print(resolved, end="")
+        return 0
+    return _train(recipe, cfg, device=args.device)
+
+
+def _train(recipe, cfg, *, device: str) -> int:
+    import torch
+
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if use_cpu:
+        limit = 2e9
+        if recipe.model.params.total > limit:
+            raise UserError(
+                f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
+                "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
+            )
+        from bridge_ext import cpu_mode
+
+        print("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
+        cpu_mode.enable_cpu_mode()
+        cpu_mode.configure_for_cpu(cfg)
+    elif device == "gpu" and not torch.cuda.is_available():
+        raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    pretrain(cfg, forward_step)
+    return 0
+
+
+def _quiet_megatron() -> None:
+    """Megatron warns at import about every optional kernel it lacks; users need none of that."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("MEGATRON_SUPPRESS_FUSION_WARNINGS", "1")
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+# ------------------------------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = _Parser(prog="nemo", description="Megatron Bridge recipes for Kimi K2 and Qwen3 with Muon.")
+    groups = root.add_subparsers(dest="group", required=True, parser_class=_Parser)
+    llm = groups.add_parser("llm", help="LLM recipes")
+    sub = llm.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("recipes", help="list every recipe: model, optimizer preset, default layout")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_recipes)
+
+    p = sub.add_parser("info", help="one recipe's model, parameter counts, optimizer and layout")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("pretrain", help="pre-train a recipe (--dryrun: validate and print the config)",
+                       description="Precedence: recipe < --yaml < command-line key=value overrides.")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first)")
+    p.add_argument("--yaml", help="YAML file of config values (full dump or partial)")
+    p.add_argument("--dryrun", action="store_true", help="validate, print a summary and the resolved YAML")
+    p.add_argument("--to-yaml", metavar="FILE", help="write the resolved config to FILE and exit")
+    p.add_argument("--overwrite", action="store_true", help="let --to-yaml replace an existing file")
+    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="auto: CPU mode when no GPU is visible")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=2e-4")
+    p.set_defaults(func=cmd_pretrain)
+
+    try:
+        from bridge_ext import convert
+    except ImportError:
+        convert = None
+    if convert is not None:
+        convert.register(sub)
+    return root
+
+
+def _is_ours(argv: list[str]) -> bool:
+    if len(argv) < 2 or argv[0] != "llm":
+        return len(argv) == 0 or argv[0] in ("-h", "--help")
+    command = argv[1]
+    if command == "pretrain":
+        return any(a == "--recipe" or a.startswith("--recipe=") for a in argv[2:])
+    return command in OUR_COMMANDS or command in ("-h", "--help")
+
+
+def _nemo_run_app():
+    try:
+        from nemo_run.__main__ import app
+    except ImportError:
+        return None
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not _is_ours(argv):
+        app = _nemo_run_app()
+        if app is not None:  # NeMo-Run's `nemo` (e.g. `nemo llm pretrain --factory ...`)
+            return app()
+        _err(f"`nemo {' '.join(argv[:2])}` is not a command of this package "
+             "(`nemo llm pretrain` needs --recipe; NeMo-Run, which serves --factory, is not installed)")
+        return 2
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as exc:
+        _err(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

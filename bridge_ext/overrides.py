@@ -1,0 +1,170 @@
+"""User overrides on top of a recipe: ``--yaml FILE`` then ``a.b=value`` arguments.
+
+Both go through Megatron Bridge's own OmegaConf/Hydra path (``create_omegaconf_dict_config``,
+``parse_hydra_overrides``, ``apply_overrides``). A YAML file may be a full dump (``--to-yaml`` output or
+``yaml/<recipe>.yaml``, with ``_target_`` entries) or a partial one (``optimizer: {lr: 2e-4}``); only the
+values that differ from the recipe are applied. Unknown keys and values of the wrong type are refused.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from bridge_ext.errors import UserError, closest
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import ConfigContainer
+
+__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file"]
+
+# Keys MB's YAML dump uses to describe objects rather than dataclass fields.
+_OBJECT_KEYS = ("_call_", "_partial_", "_args_")
+
+
+def config_to_yaml(cfg: ConfigContainer) -> str:
+    """The resolved config as Megatron Bridge's ``ConfigContainer.to_yaml`` writes it."""
+    from megatron.bridge.training.utils.config_utils import safe_yaml_representers
+
+    with safe_yaml_representers():
+        return yaml.safe_dump(cfg.to_dict(), default_flow_style=False)
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"YAML file {path} does not exist; pass a file written by --to-yaml or copied from yaml/")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"YAML file {path} is malformed{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"YAML file {path} must hold a mapping of config sections, not {type(data).__name__}")
+    return data
+
+
+def _is_object_node(value: Any) -> bool:
+    return isinstance(value, dict) and "_target_" in value and any(k in value for k in _OBJECT_KEYS)
+
+
+def _yaml_diff(user: dict, base: dict, path: str, out: list[tuple[str, Any]]) -> None:
+    """Collect (dotted path, value) for every leaf where ``user`` differs from ``base``."""
+    for key, value in user.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key == "_target_":
+            if value != base.get("_target_"):
+                raise UserError(f"{dotted} is {value}, the recipe has {base.get('_target_')}; "
+                                "pick another recipe instead of changing a config class")
+            continue
+        if key not in base:
+            raise UserError(f"unknown key '{dotted}'{closest(str(key), [k for k in base if k != '_target_'])}")
+        current = base[key]
+        if isinstance(value, dict) and isinstance(current, dict) and not _is_object_node(current):
+            _yaml_diff(value, current, dotted, out)
+        elif value != current:
+            out.append((dotted, value))
+
+
+def _lookup(tree: Any, dotted: str) -> tuple[bool, Any]:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _check_override_keys(base: dict, overrides: list[str]) -> None:
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override '{item}' is not of the form key=value (e.g. optimizer.lr=2e-4)")
+        key = item.split("=", 1)[0].lstrip("+~")
+        found, _ = _lookup(base, key)
+        if not found:
+            parent, _, leaf = key.rpartition(".")
+            ok, siblings = _lookup(base, parent) if parent else (True, base)
+            hint = closest(leaf, siblings) if ok and isinstance(siblings, dict) else ""
+            raise UserError(f"unknown key '{key}'{hint}")
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _check_types(new: Any, old: Any, path: str) -> Any:
+    """``new`` with ints widened to floats where the recipe has a float; error on other type changes."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {k: _check_types(v, old.get(k), f"{path}.{k}" if path else k) for k, v in new.items()}
+    if old is None or new is None or type(old) is type(new):
+        return new
+    if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
+        return float(new)
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+        return new
+    if isinstance(old, str) and old.startswith("torch.") and isinstance(new, str):
+        return new
+    raise UserError(f"{path} expects {_type_name(old)} (recipe value {old!r}), got {new!r}")
+
+
+def apply_user_overrides(
+    cfg: ConfigContainer, *, yaml_path: str | Path | None = None, overrides: list[str] = ()
+) -> ConfigContainer:
+    """Apply ``yaml_path`` then ``overrides`` to ``cfg`` in place (recipe < YAML < command line)."""
+    from megatron.bridge.training.utils.omegaconf_utils import (
+        OverridesError,
+        apply_overrides,
+        create_omegaconf_dict_config,
+        parse_hydra_overrides,
+    )
+    from megatron.bridge.utils.instantiate_utils import instantiate
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides)
+    if yaml_path is None and not overrides:
+        return cfg
+    omega, excluded = create_omegaconf_dict_config(cfg)
+    base = OmegaConf.to_container(omega)
+    object_values: list[tuple[str, Any]] = []
+
+    if yaml_path is not None:
+        user = load_yaml_file(yaml_path)
+        diffs: list[tuple[str, Any]] = []
+        _yaml_diff(user, yaml.safe_load(io.StringIO(config_to_yaml(cfg))), "", diffs)
+        plain = {}
+        for dotted, value in diffs:
+            if _is_object_node(value):
+                try:
+                    object_values.append((dotted, instantiate(value)))
+                except Exception as exc:  # instantiate reports many error types
+                    raise UserError(f"{dotted}: cannot build {value.get('_target_')}: {exc}") from None
+            else:
+                plain[dotted] = value
+        OmegaConf.set_struct(omega, True)
+        for dotted, value in plain.items():
+            OmegaConf.update(omega, dotted, value, merge=False)
+
+    if overrides:
+        _check_override_keys(base, overrides)
+        try:
+            omega = parse_hydra_overrides(omega, overrides)
+        except OverridesError as exc:
+            raise UserError(" ".join(str(exc).split()).split(" full_key:")[0]) from None
+
+    final = _check_types(OmegaConf.to_container(omega, resolve=True), base, "")
+    final.pop("__version__", None)
+    apply_overrides(cfg, final, excluded)
+    for dotted, value in object_values:
+        *parents, leaf = dotted.split(".")
+        target = cfg
+        for part in parents:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+    return cfg

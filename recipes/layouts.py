@@ -1,0 +1,163 @@
+"""Layouts: parallelism, batch and precision of one model on a named cluster.
+
+Adding a cluster for a model: one ``Layout`` in that model's entry of ``LAYOUTS`` (the first entry is the
+model's default). ``Layout.problems`` checks a layout against the model's layer count without Megatron.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["LAYOUTS", "Layout", "pipeline_stages"]
+
+
+def pipeline_stages(layout: str) -> list[str]:
+    """Expand megatron-core's layout string (``"Et*3|(tttt|)*14,tL"``) into one string per stage.
+
+    Same grammar as ``megatron.core.transformer.pipeline_parallel_layer_layout.parse_str_to_list``.
+    """
+    layout = layout.replace(",", "")
+    layout = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
+    layout = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
+    return layout.split("|")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    cluster: str  # e.g. "gb300x256": GPU type x count
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    vp: int | None = None
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int = 4096
+    precision: str = "bf16_mixed"  # a Megatron Bridge mixed-precision recipe name
+    pipeline_layout: str | None = None  # megatron-core layout string, for uneven pipeline splits
+    model: Mapping[str, Any] = field(default_factory=dict)  # further provider settings (recompute, ...)
+    why: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", MappingProxyType(dict(self.model)))
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def parallelism(self) -> dict[str, int | None]:
+        return {"tp": self.tp, "pp": self.pp, "vp": self.vp, "ep": self.ep, "etp": self.etp, "cp": self.cp,
+                "dp": self.dp, "gpus": self.gpus}
+
+    def problems(self, num_layers: int) -> list[str]:
+        """Why this layout cannot run a model with ``num_layers`` layers (empty when it can)."""
+        out = []
+        model_parallel = self.tp * self.pp * self.cp
+        if self.gpus % model_parallel:
+            out.append(f"{self.gpus} GPUs are not divisible by tp*pp*cp={model_parallel}")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            out.append(f"ep*etp={self.ep * self.etp} must divide tp*cp*dp={self.tp * self.cp * self.dp}")
+        if self.global_batch_size % (self.micro_batch_size * max(self.dp, 1)):
+            out.append(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size*dp={self.micro_batch_size * self.dp}"
+            )
+        stages = self.pp * (self.vp or 1)
+        if self.pipeline_layout:
+            expanded = pipeline_stages(self.pipeline_layout)
+            decoders = sum(stage.count("t") for stage in expanded)
+            if len(expanded) != stages:
+                out.append(f"pipeline_layout has {len(expanded)} stages, pp*vp is {stages}")
+            if decoders != num_layers:
+                out.append(f"pipeline_layout places {decoders} decoder layers, the model has {num_layers}")
+        elif num_layers % stages:
+            out.append(f"{num_layers} layers do not split evenly over pp*vp={stages} stages; set pipeline_layout")
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            out.append(f"seq_length {self.seq_length} must be divisible by 2*cp={2 * self.cp}")
+        return out
+
+
+# Kimi K2's 61 layers over 16 pipeline stages: embedding + 4 layers first, 1 layer + loss last
+# (Megatron Bridge 0.3 recipes/kimi/kimi_k2.py::_get_kimi_k2_pipeline_layout, PP4 VP4 and PP16).
+_KIMI_K2_16_STAGES = "Etttt|(tttt|)*14,tL"
+
+_SELECTIVE_RECOMPUTE = {"recompute_granularity": "selective"}
+
+LAYOUTS: dict[str, dict[str, Layout]] = {
+    "kimi_k2": {
+        "gb300x256": Layout(
+            cluster="gb300x256", gpus=256, tp=1, pp=4, vp=4, ep=64, global_batch_size=4096, micro_batch_size=2,
+            precision="bf16_with_mxfp8_mixed", pipeline_layout=_KIMI_K2_16_STAGES,
+            model={
+                "recompute_granularity": "selective",
+                "recompute_modules": ["mla_up_proj"],
+                "moe_token_dispatcher_type": "flex",
+                "moe_flex_dispatcher_backend": "hybridep",
+                "moe_shared_expert_overlap": False,  # megatron-core allows it only with the alltoall dispatcher
+                "moe_router_force_load_balancing": True,
+            },
+            why="NVIDIA's 2026-04 benchmark layout (1,080 TFLOP/s/GPU with Muon, MXFP8)",
+        ),
+        "h100x512": Layout(
+            cluster="h100x512", gpus=512, tp=2, pp=16, ep=32, global_batch_size=4096, micro_batch_size=1,
+            pipeline_layout=_KIMI_K2_16_STAGES,
+            model={**_SELECTIVE_RECOMPUTE, "moe_token_dispatcher_type": "alltoall"},
+            why="Megatron Bridge's upstream Kimi K2 recipe layout (TP2 PP16 EP32)",
+        ),
+    },
+    "qwen3_30b_a3b": {
+        "gb300x8": Layout(
+            cluster="gb300x8", gpus=8, ep=8, global_batch_size=512, micro_batch_size=8,
+            precision="bf16_with_mxfp8_mixed", model={"moe_token_dispatcher_type": "alltoall"},
+            why="NVIDIA's 2026-04 benchmark layout (721 TFLOP/s/GPU with Muon, MXFP8)",
+        ),
+        "h100x16": Layout(
+            cluster="h100x16", gpus=16, tp=2, ep=8, global_batch_size=512, micro_batch_size=2,
+            model={**_SELECTIVE_RECOMPUTE, "moe_token_dispatcher_type": "alltoall"},
+            why="80 GB GPUs: TP2 halves activation and dense-weight memory; EP8 over the 8 DP ranks",
+        ),
+    },
+    "qwen3_235b_a22b": {
+        "h100x128": Layout(
+            cluster="h100x128", gpus=128, tp=2, pp=8, ep=16, global_batch_size=1024, micro_batch_size=1,
+            pipeline_layout="Et*11|(t*12|)*6,t*11L",  # 94 layers; embedding and loss weigh one layer each
+            model={**_SELECTIVE_RECOMPUTE, "moe_token_dispatcher_type": "alltoall"},
+            why="16 nodes of 8x80 GB: PP8 over nodes, EP16 across 2 nodes of DP, TP2 inside NVLink",
+        ),
+    },
+    "qwen3_0p6b": {
+        "h100x8": Layout(cluster="h100x8", gpus=8, global_batch_size=256, micro_batch_size=4,
+                         why="fits one GPU: pure data parallelism"),
+    },
+    "qwen3_1p7b": {
+        "h100x8": Layout(cluster="h100x8", gpus=8, global_batch_size=256, micro_batch_size=2,
+                         why="fits one GPU: pure data parallelism"),
+    },
+    "qwen3_4b": {
+        "h100x8": Layout(cluster="h100x8", gpus=8, tp=2, global_batch_size=256, micro_batch_size=2,
+                         why="TP2 leaves room for fp32 main weights, grads and Muon momentum"),
+    },
+    "qwen3_8b": {
+        "h100x8": Layout(cluster="h100x8", gpus=8, tp=4, global_batch_size=256, micro_batch_size=1,
+                         why="Megatron Bridge's upstream Qwen3-8B parallelism (TP4) on one node"),
+    },
+    "qwen3_14b": {
+        "h100x16": Layout(cluster="h100x16", gpus=16, tp=8, global_batch_size=256, micro_batch_size=1,
+                          why="TP8 inside a node (upstream Qwen3-14B recipe), DP2 across two nodes"),
+    },
+    "qwen3_32b": {
+        "h100x32": Layout(cluster="h100x32", gpus=32, tp=8, pp=2, global_batch_size=256, micro_batch_size=1,
+                          model=_SELECTIVE_RECOMPUTE,
+                          why="upstream Qwen3-32B parallelism (TP8 PP2), DP2"),
+    },
+}

@@ -1,0 +1,87 @@
+"""Model specs: a shipped Hugging Face ``config.json`` per model, never a hub id.
+
+Adding a model: drop its ``config.json`` into ``recipes/hf_configs/<name>/`` and add one ``ModelSpec``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from recipes.params import ParamCount, count_params
+
+__all__ = ["HF_CONFIGS", "MODELS", "ModelSpec"]
+
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+
+Family = Literal["kimi_k2", "qwen3", "qwen3_moe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    display: str  # the model's published name
+    family: Family
+    hf_id: str  # where the shipped config.json comes from (documentation only; never downloaded)
+    # Published (total, active) parameter counts in billions, as the source states them.
+    published_params_b: tuple[float, float]
+    source: str
+
+    @property
+    def config_dir(self) -> Path:
+        return HF_CONFIGS / self.name
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        with open(self.config_dir / "config.json") as handle:
+            return json.load(handle)
+
+    @cached_property
+    def params(self) -> ParamCount:
+        return count_params(self.hf_config)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.params.total != self.params.active
+
+
+def _qwen3(name: str, display: str, total: float, active: float | None = None) -> ModelSpec:
+    moe = active is not None
+    return ModelSpec(
+        name=name,
+        display=display,
+        family="qwen3_moe" if moe else "qwen3",
+        hf_id=f"Qwen/{display}",
+        published_params_b=(total, active if moe else total),
+        source="Qwen3 technical report (arXiv 2505.09388) and model card",
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="kimi_k2",
+            display="Kimi-K2",
+            family="kimi_k2",
+            hf_id="moonshotai/Kimi-K2-Instruct",
+            published_params_b=(1040.0, 32.0),
+            source="Kimi K2 technical report (arXiv 2507.20534)",
+        ),
+        _qwen3("qwen3_0p6b", "Qwen3-0.6B", 0.6),
+        _qwen3("qwen3_1p7b", "Qwen3-1.7B", 1.7),
+        _qwen3("qwen3_4b", "Qwen3-4B", 4.0),
+        _qwen3("qwen3_8b", "Qwen3-8B", 8.2),
+        _qwen3("qwen3_14b", "Qwen3-14B", 14.8),
+        _qwen3("qwen3_32b", "Qwen3-32B", 32.8),
+        _qwen3("qwen3_30b_a3b", "Qwen3-30B-A3B", 30.5, 3.3),
+        _qwen3("qwen3_235b_a22b", "Qwen3-235B-A22B", 235.0, 22.0),
+    )
+}
