@@ -202,13 +202,15 @@ def _quiet_megatron() -> None:
     import logging
     import warnings
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("MEGATRON_SUPPRESS_FUSION_WARNINGS", "1")
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("MEGATRON_SUPPRESS_FUSION_WARNINGS", "1")
+    import torch  # noqa: F401  (configures torch's loggers; ours must come after)
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    for name in ("megatron", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ------------------------------------------------------------------------------------------------- main

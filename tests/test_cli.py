@@ -1,0 +1,193 @@
+"""The `nemo` command: fast listing, info, dry runs, YAML export, bad input, NeMo-Run passthrough."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bridge_ext import cli
+
+NEMO = str(Path(sys.executable).with_name("nemo"))
+
+
+def run_main(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_recipes_lists_every_recipe_with_preset_and_layout(capsys):
+    code, out, _ = run_main(capsys, "llm", "recipes")
+    assert code == 0
+    lines = out.strip().splitlines()[1:]
+    assert len(lines) == 18
+    kimi = next(line for line in lines if line.startswith("kimi_k2_muon "))
+    assert "nvidia_perf" in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
+
+
+def test_info_json_for_qwen3_8b(capsys):
+    code, out, _ = run_main(capsys, "llm", "info", "--recipe", "qwen3_8b_muon", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["name"] == "qwen3_8b_muon" and info["model_type"] == "qwen3"
+    assert (info["num_layers"], info["hidden_size"]) == (36, 4096)
+    assert abs(info["params_total"] / 8.2e9 - 1) < 0.01 and info["params_active"] == info["params_total"]
+    assert info["optimizer"]["preset"] == "nvidia_perf"
+    assert {k for k in info["optimizer"] if k.startswith("muon_")} == {
+        "muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
+        "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor"}
+    assert info["layout"] == {"name": "h100x8", "tp": 4, "pp": 1, "vp": None, "ep": 1, "etp": 1, "cp": 1,
+                              "dp": 2, "gpus": 8}
+    assert (info["micro_batch_size"], info["global_batch_size"], info["seq_length"]) == (1, 256, 4096)
+    assert info["precision"] == "bf16_mixed"
+
+
+def test_info_for_kimi_k2_moe_counts(capsys):
+    _, out, _ = run_main(capsys, "llm", "info", "--recipe", "kimi_k2_adamw", "--layout", "h100x512", "--json")
+    info = json.loads(out)
+    assert info["model_type"] == "kimi_k2" and info["optimizer"]["optimizer"] == "adam"
+    assert 1.0e12 < info["params_total"] < 1.05e12 and 32e9 < info["params_active"] < 33e9
+    assert info["layout"]["pp"] == 16 and info["layout"]["dp"] == 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("llm", "info", "--recipe", "kimi_k2_muom"), "unknown recipe 'kimi_k2_muom' (did you mean 'kimi_k2_muon'?)"),
+        (("llm", "info", "--recipe", "kimi_k2_muon", "--layout", "gb200x4"), "layout 'gb200x4' is not defined"),
+        (("llm", "info"), "the following arguments are required: --recipe"),
+        (("llm", "pretrain", "--recipe", "nope", "--dryrun"), "unknown recipe 'nope'"),
+        (("llm", "pretrain", "--recipe", "kimi_k2_muon", "--yaml", "/nonexistent/my.yaml"), "does not exist"),
+    ],
+)
+def test_fast_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unknown_command_without_nemo_run(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_nemo_run_app", lambda: None)
+    code, _, err = run_main(capsys, "llm", "pretrain", "--factory", "llama3_8b")
+    assert code == 2 and "needs --recipe" in err and "NeMo-Run" in err
+
+
+def test_everything_else_passes_through_to_nemo_run(tmp_path, monkeypatch):
+    """With NeMo-Run installed, `nemo` commands this package does not own reach NeMo-Run's own app."""
+    fake = tmp_path / "nemo_run"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(
+        "import sys, json, pathlib\n"
+        "def app():\n"
+        "    pathlib.Path(sys.argv[0]).with_name('argv.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "    return 0\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    argv = ["llm", "pretrain", "--factory", "llama3_8b", "trainer.max_steps=5"]
+    # `nemo` here is our console script; run it with argv[0] in tmp_path so the fake app writes there.
+    script = tmp_path / "nemo"
+    script.write_text(Path(NEMO).read_text())
+    subprocess.run([sys.executable, str(script), *argv], check=True, env=env)
+    assert json.loads((tmp_path / "argv.json").read_text()) == argv
+
+
+@pytest.mark.slow
+def test_dryrun_of_kimi_k2_prints_summary_and_the_shipped_yaml():
+    result = subprocess.run([NEMO, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    summary, _, resolved = result.stdout.partition("---\n")
+    assert "TP1 PP4 VP4 EP64 ETP1 CP1 DP64 on 256 GPUs" in summary
+    assert "dist_muon" in summary and "use_nesterov=True" in summary
+    shipped = (Path(__file__).parent.parent / "yaml" / "kimi_k2_muon.yaml").read_text()
+    assert yaml.safe_load(resolved) == yaml.safe_load(shipped)
+
+
+@pytest.mark.slow
+def test_dryrun_with_yaml_and_overrides(capsys, tmp_path):
+    my = tmp_path / "my.yaml"
+    my.write_text("optimizer:\n  lr: 1.0e-4\n  muon_num_ns_steps: 6\n")
+    code, out, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_30b_a3b_muon", "--yaml", str(my),
+                              "optimizer.lr=2e-4", "train.global_batch_size=256", "--dryrun")
+    assert code == 0, err
+    resolved = yaml.safe_load(out.partition("---\n")[2])
+    assert resolved["optimizer"]["lr"] == 2e-4
+    assert resolved["optimizer"]["muon_num_ns_steps"] == 6
+    assert resolved["train"]["global_batch_size"] == 256
+    assert "global 256, micro 8" in out
+
+
+@pytest.mark.slow
+def test_to_yaml_writes_a_file_that_loads_back_identically(capsys, tmp_path):
+    from megatron.bridge.training.config import ConfigContainer
+
+    from bridge_ext.overrides import config_to_yaml
+
+    target = tmp_path / "kimi.yaml"
+    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--to-yaml", str(target),
+                            "optimizer.lr=2e-4")
+    assert code == 0, err
+    text = target.read_text()
+    assert config_to_yaml(ConfigContainer.from_yaml(str(target))) == text
+    assert yaml.safe_load(text)["optimizer"]["lr"] == 2e-4
+    # the same file through --yaml reproduces the config
+    again = tmp_path / "again.yaml"
+    code, _, _ = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--yaml", str(target),
+                          "--to-yaml", str(again))
+    assert code == 0 and again.read_text() == text
+    # refusing to overwrite without --overwrite, leaving the file alone
+    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--to-yaml", str(target))
+    assert code == 2 and "--overwrite" in err and target.read_text() == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "yaml_text", "message"),
+    [
+        (("optimizer.lrr=1e-4",), None, "unknown key 'optimizer.lrr' (did you mean 'lr'?)"),
+        (("train.global_batch_size=abc",), None, "train.global_batch_size expects an integer"),
+        (("--bogus",), None, "unrecognized arguments: --bogus"),
+        ((), "optimizer: {lr: [1,\n", "is malformed"),
+        ((), "trian:\n  train_iters: 5\n", "unknown key 'trian' (did you mean 'train'?)"),
+        (("model.num_layers=60",), None, "Number of decoder layers 61must match num_layers 60"),
+    ],
+)
+def test_bad_pretrain_input_exits_2_and_writes_nothing(capsys, tmp_path, args, yaml_text, message):
+    target = tmp_path / "out.yaml"
+    argv = ["llm", "pretrain", "--recipe", "kimi_k2_muon", "--to-yaml", str(target), *args]
+    if yaml_text is not None:
+        (tmp_path / "in.yaml").write_text(yaml_text)
+        argv += ["--yaml", str(tmp_path / "in.yaml")]
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == (["in.yaml"] if yaml_text else [])
+
+
+@pytest.mark.slow
+def test_pretrain_hands_the_resolved_config_to_megatron_bridge(capsys, monkeypatch):
+    """On GPUs `pretrain` calls MB's pretrain() with the resolved config (the call itself needs GPUs)."""
+    import torch
+    from megatron.bridge.training import pretrain as mb_pretrain
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mb_pretrain, "pretrain", lambda cfg, step: calls.append((cfg, step)))
+    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_8b_muon", "optimizer.lr=1e-4")
+    assert code == 0, err
+    (cfg, step), = calls
+    assert cfg.optimizer.lr == 1e-4 and cfg.optimizer.optimizer == "dist_muon"
+    assert cfg.model.tensor_model_parallel_size == 4 and step.__name__ == "forward_step"
+
+
+@pytest.mark.slow
+def test_full_recipe_refuses_cpu_mode(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_8b_muon")
+    assert code == 2 and "8.2 B parameters and no GPU is visible" in err
