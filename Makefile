@@ -12,7 +12,7 @@ ifndef PYTHON
 PYTHON := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) /usr/bin/python3.12 /usr/local/bin/python3.12,$(shell $(p) $(PY312_CHECK) >/dev/null 2>&1 && echo $(p))))
 endif
 
-.PHONY: install demo test test-fast yaml lock clean
+.PHONY: install demo test test-fast generate yaml lock clean
 
 install: $(STAMP)
 
@@ -36,8 +36,10 @@ test: install
 test-fast: install  # everything but the tests marked slow
 	$(PY) -m pytest -n 2 -m "not slow"
 
-yaml: install  # regenerate yaml/<recipe>.yaml from the Python recipes
-	$(PY) -m bridge_ext.recipe_yaml
+generate: install  # regenerate yaml/<recipe>.yaml and docs/recipes.md from the Python recipes
+	$(PY) -m bridge_ext.generate
+
+yaml: generate
 
 lock: install  # re-resolve the curated lists and rewrite the lock (needs network)
 	$(PY) -m pip install -r requirements/stack-$(STACK).txt

@@ -11,7 +11,7 @@ from megatron.bridge.training.mixed_precision import get_mixed_precision_config
 from bridge_ext.build import build_config, validate_for_layout
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
-from bridge_ext.recipe_yaml import YAML_DIR, render_all
+from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def test_kimi_k2_model_matches_its_hf_config():
 def test_shipped_yaml_matches_the_recipes(rendered):
     assert sorted(p.stem for p in YAML_DIR.glob("*.yaml")) == sorted(rendered)
     stale = [name for name, text in rendered.items() if (YAML_DIR / f"{name}.yaml").read_text() != text]
-    assert stale == [], f"run `make yaml`: {stale}"
+    assert stale == [], f"run `make generate`: {stale}"
+    assert RECIPE_CARDS.read_text() == render_cards(), "run `make generate`"
 
 
 def test_yaml_round_trip_is_identical(tmp_path):
