@@ -20,9 +20,26 @@ if TYPE_CHECKING:
 
     from recipes import Layout, Recipe
 
-__all__ = ["build_config", "model_provider", "validate_for_layout"]
+__all__ = ["build_config", "model_provider", "quiet_megatron", "validate_for_layout"]
 
 OUTPUT_ROOT = "nemo_experiments"  # relative, so resolved YAML is the same on every machine
+
+
+def quiet_megatron() -> None:
+    """Megatron warns at import about every optional kernel it lacks; users need none of that."""
+    import logging
+    import os
+    import warnings
+
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("MEGATRON_SUPPRESS_FUSION_WARNINGS", "1")
+    import torch  # noqa: F401  (configures torch's loggers; ours must come after)
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    for name in ("megatron", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def model_provider(recipe: Recipe):
@@ -69,7 +86,7 @@ def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
     cfg.dataset.seq_length = layout.seq_length
     cfg.train.micro_batch_size = layout.micro_batch_size
     cfg.train.global_batch_size = layout.global_batch_size
-    cfg.mixed_precision = layout.precision
+    cfg.mixed_precision = None if layout.precision == "fp32" else layout.precision
 
 
 def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
@@ -108,6 +125,14 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
     cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
     cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
+    for dotted, value in recipe.overrides.items():
+        *parents, leaf = dotted.split(".")
+        target = cfg
+        for part in parents:
+            target = getattr(target, part)
+        if not hasattr(target, leaf):
+            raise AttributeError(f"recipe {recipe.name} overrides unknown field {dotted}")
+        setattr(target, leaf, value)
     return cfg
 
 

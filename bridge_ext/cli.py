@@ -74,6 +74,7 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
         "precision": layout.precision,
         "twin": recipe.twin,
         "layouts": list(recipe.layouts),
+        "recipe_overrides": dict(recipe.overrides),
     }
 
 
@@ -119,7 +120,7 @@ def _summary(recipe_name: str, layout: str, cfg, gpus: int) -> str:
         f"parallel    {parallel}",
         f"batch       global {t.global_batch_size}, micro {t.micro_batch_size}, seq {m.seq_length}, "
         f"{t.train_iters} iterations",
-        f"precision   {cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else 'custom'}",
+        f"precision   {cfg.mixed_precision or 'fp32'}",
         f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
     ]
     if o.optimizer in ("muon", "dist_muon"):
@@ -140,8 +141,9 @@ def _resolve(args: argparse.Namespace):
     from rich.console import Console
 
     with Console(stderr=True).status(f"building {recipe.name} ({layout.cluster}) ..."):
-        _quiet_megatron()
-        from bridge_ext.build import build_config, validate_for_layout
+        from bridge_ext.build import build_config, quiet_megatron, validate_for_layout
+
+        quiet_megatron()
         from bridge_ext.overrides import apply_user_overrides
 
         cfg = build_config(recipe, layout=args.layout)
@@ -195,22 +197,6 @@ def _train(recipe, cfg, *, device: str) -> int:
 
     pretrain(cfg, forward_step)
     return 0
-
-
-def _quiet_megatron() -> None:
-    """Megatron warns at import about every optional kernel it lacks; users need none of that."""
-    import logging
-    import warnings
-
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("MEGATRON_SUPPRESS_FUSION_WARNINGS", "1")
-    import torch  # noqa: F401  (configures torch's loggers; ours must come after)
-
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
-    for name in ("megatron", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -292,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:  # e.g. `nemo llm pretrain ... --dryrun | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":

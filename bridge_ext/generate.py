@@ -58,6 +58,8 @@ def render_cards() -> str:
                 f"- **Optimizer preset**: `{preset.name}`: {preset.summary}. Source: {preset.source}.",
                 "  " + ", ".join(f"`{k}={v}`" for k, v in preset.optimizer.items()),
                 f"- **A/B twin**: `{recipe.twin}` (differs only in the optimizer and the DDP settings it forces).",
+                *([f"- **Recipe settings**: {', '.join(f'`{k}={v}`' for k, v in recipe.overrides.items())}. "
+                   f"Why: {recipe.why}."] if recipe.overrides else []),
                 "- **Layouts** (first is the default; pick with `--layout NAME`):"]
         for layout in recipe.layouts.values():
             out.append(f"  - {_layout_line(layout)}. Why: {layout.why}.")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import warnings
+    from bridge_ext.build import quiet_megatron
 
-    warnings.filterwarnings("ignore")
+    quiet_megatron()
     sys.exit(main())

@@ -7,7 +7,8 @@ Bridge's ``ConfigContainer``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from bridge_ext.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
@@ -24,6 +25,9 @@ class Recipe:
     preset: OptimizerPreset
     layouts: Mapping[str, Layout]  # first one is the default
     twin: str  # the same recipe with the other optimizer, for A/B runs
+    # Config values this recipe sets on top of its three parts (dotted keys), and why.
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    why: str = ""
 
     @property
     def default_layout(self) -> str:
@@ -42,18 +46,33 @@ class Recipe:
 # Muon preset each model's `_muon` recipe uses; the `_adamw` twin always uses "adamw".
 _MUON_PRESET = {model: "nvidia_perf" for model in MODELS}
 
+# Proxies run 50-200 iterations instead of 10^5-10^6: the schedule is shortened (the same shape).
+# Learning rates tuned once with `nemo llm compare` over 1e-3..1e-2 (docs/cpu.md): the best final loss
+# at 200 iterations for each optimizer.
+_PROXY_OVERRIDES = {
+    "muon": {"optimizer.lr": 5e-3, "optimizer.min_lr": 5e-4},
+    "adamw": {"optimizer.lr": 5e-3, "optimizer.min_lr": 5e-4},
+}
+_PROXY_COMMON = {"scheduler.lr_warmup_iters": 5, "train.train_iters": 50, "train.eval_interval": 1000,
+                 "train.eval_iters": 0, "logger.log_interval": 5, "checkpoint.save_interval": 25}
+_PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only the run length "
+              "(warm-up, iterations, intervals) and the learning rate differ")
+
 
 def _compose() -> dict[str, Recipe]:
     recipes = {}
     for model_name, model in MODELS.items():
         for suffix, preset, twin in (("muon", _MUON_PRESET[model_name], "adamw"), ("adamw", "adamw", "muon")):
             name = f"{model_name}_{suffix}"
+            proxy = model.proxy_of is not None
             recipes[name] = Recipe(
                 name=name,
                 model=model,
                 preset=PRESETS[preset],
                 layouts=LAYOUTS[model_name],
                 twin=f"{model_name}_{twin}",
+                overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix]} if proxy else {},
+                why=_PROXY_WHY if proxy else "",
             )
     return recipes
 

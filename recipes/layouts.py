@@ -39,7 +39,7 @@ class Layout:
     micro_batch_size: int
     global_batch_size: int
     seq_length: int = 4096
-    precision: str = "bf16_mixed"  # a Megatron Bridge mixed-precision recipe name
+    precision: str = "bf16_mixed"  # a Megatron Bridge mixed-precision recipe name, or "fp32"
     pipeline_layout: str | None = None  # megatron-core layout string, for uneven pipeline splits
     model: Mapping[str, Any] = field(default_factory=dict)  # further provider settings (recompute, ...)
     why: str = ""
@@ -93,7 +93,15 @@ _KIMI_K2_16_STAGES = "Etttt|(tttt|)*14,tL"
 
 _SELECTIVE_RECOMPUTE = {"recompute_granularity": "selective"}
 
+_CPU = Layout(
+    cluster="cpu", gpus=1, global_batch_size=8, micro_batch_size=4, seq_length=128, precision="fp32",
+    why="one process on a laptop-class CPU; fp32 because megatron-core 0.16's bf16 optimizers reject CPU tensors",
+)
+
 LAYOUTS: dict[str, dict[str, Layout]] = {
+    "kimi_k2_proxy": {"cpu": _CPU},
+    "qwen3_proxy": {"cpu": _CPU},
+    "qwen3_moe_proxy": {"cpu": _CPU},
     "kimi_k2": {
         "gb300x256": Layout(
             cluster="gb300x256", gpus=256, tp=1, pp=4, vp=4, ep=64, global_batch_size=4096, micro_batch_size=2,

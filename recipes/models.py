@@ -27,8 +27,9 @@ class ModelSpec:
     family: Family
     hf_id: str  # where the shipped config.json comes from (documentation only; never downloaded)
     # Published (total, active) parameter counts in billions, as the source states them.
-    published_params_b: tuple[float, float]
+    published_params_b: tuple[float, float] | None
     source: str
+    proxy_of: str | None = None  # a tiny model of the same architecture family, for CPU runs and tests
 
     @property
     def config_dir(self) -> Path:
@@ -83,5 +84,14 @@ MODELS: dict[str, ModelSpec] = {
         _qwen3("qwen3_32b", "Qwen3-32B", 32.8),
         _qwen3("qwen3_30b_a3b", "Qwen3-30B-A3B", 30.5, 3.3),
         _qwen3("qwen3_235b_a22b", "Qwen3-235B-A22B", 235.0, 22.0),
+        *(
+            ModelSpec(name=f"{full}_proxy", display=display, family=family, hf_id="-", published_params_b=None,
+                      source=f"tiny model with {full}'s config keys and architecture", proxy_of=full)
+            for full, display, family in (
+                ("kimi_k2", "Kimi-K2 proxy", "kimi_k2"),  # MLA, sigmoid router + expert bias, shared expert
+                ("qwen3", "Qwen3 proxy", "qwen3"),  # dense GQA with QK-norm
+                ("qwen3_moe", "Qwen3-MoE proxy", "qwen3_moe"),
+            )
+        ),
     )
 }

@@ -35,7 +35,13 @@ def test_recipe_builds_offline_and_validates_on_every_layout(name):
         assert (checked.train.global_batch_size, checked.train.micro_batch_size) == (
             layout.global_batch_size, layout.micro_batch_size)
         assert model.seq_length == checked.dataset.seq_length == layout.seq_length
-        assert get_mixed_precision_config(checked.mixed_precision).bf16 is True  # a registered MB recipe
+        if layout.precision == "fp32":
+            assert checked.mixed_precision is None and checked.optimizer.bf16 is False
+        else:
+            assert get_mixed_precision_config(checked.mixed_precision).bf16 is True  # a registered MB recipe
+        for dotted, value in recipe.overrides.items():
+            section, key = dotted.split(".")
+            assert getattr(getattr(checked, section), key) == value
         for key, value in recipe.preset.optimizer.items():  # what `info` prints is what trains
             assert getattr(checked.optimizer, key) == value, key
         assert checked.ddp.use_distributed_optimizer is recipe.preset.ddp["use_distributed_optimizer"]

@@ -24,7 +24,7 @@ def test_recipes_lists_every_recipe_with_preset_and_layout(capsys):
     code, out, _ = run_main(capsys, "llm", "recipes")
     assert code == 0
     lines = out.strip().splitlines()[1:]
-    assert len(lines) == 18
+    assert len(lines) == 24
     kimi = next(line for line in lines if line.startswith("kimi_k2_muon "))
     assert "nvidia_perf" in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
 

@@ -20,7 +20,7 @@ def test_every_model_has_a_muon_recipe_and_an_adamw_twin():
         assert muon.preset.kind == "muon" and adamw.preset.kind == "adamw"
         assert muon.twin == adamw.name and adamw.twin == muon.name
         assert muon.model is adamw.model and muon.layouts is adamw.layouts
-    assert len(recipes.RECIPES) == 2 * len(MODELS) == 18
+    assert len(recipes.RECIPES) == 2 * len(MODELS) == 24
 
 
 def test_unknown_recipe_names_the_closest():
@@ -84,7 +84,7 @@ def _agrees(ours: float, published: float, tolerance: float) -> bool:
     return math.floor(ours * 10**decimals) == round(published * 10**decimals)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(name for name, spec in MODELS.items() if spec.proxy_of is None))
 def test_parameter_counts_match_published_figures(name):
     spec = MODELS[name]
     total, active = spec.published_params_b
@@ -101,6 +101,23 @@ def test_parameter_count_formula_on_deepseek_v3():
     counts = count_params(dsv3)
     assert abs(counts.total / 671e9 - 1) < 0.005
     assert abs(counts.active / 37e9 - 1) < 0.02
+
+
+def test_proxies_share_family_and_preset_with_their_full_recipes():
+    for name, recipe in recipes.RECIPES.items():
+        if recipe.model.proxy_of is None:
+            continue
+        representative = {"kimi_k2": "kimi_k2", "qwen3": "qwen3_8b", "qwen3_moe": "qwen3_30b_a3b"}
+        optimizer = name.rpartition("_")[2]
+        full = recipes.get_recipe(f"{representative[recipe.model.proxy_of]}_{optimizer}")
+        assert recipe.model.family == full.model.family and recipe.preset is full.preset
+        cfg, full_cfg = recipe.model.hf_config, full.model.hf_config
+        assert cfg["architectures"] == full_cfg["architectures"] and cfg["model_type"] == full_cfg["model_type"]
+        assert set(cfg) - {"quantization_config"} == set(full_cfg) - {"quantization_config"}
+        assert set(recipe.overrides) <= {"optimizer.lr", "optimizer.min_lr", "scheduler.lr_warmup_iters",
+                                         "train.train_iters", "train.eval_interval", "train.eval_iters",
+                                         "logger.log_interval", "checkpoint.save_interval"}
+        assert recipe.model.params.total < 1e6
 
 
 def test_muon_preset_pins_every_muon_field_of_the_stack():
