@@ -128,19 +128,34 @@ def _summary(recipe_name: str, layout: str, cfg, gpus: int) -> str:
     return "\n".join(lines)
 
 
+def _launched_world_size() -> int | None:
+    """The number of ranks when launched by torchrun (or another launcher that sets WORLD_SIZE)."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _resolve(args: argparse.Namespace):
-    """Recipe -> YAML -> command line, with progress on stderr while Megatron loads."""
+    """Recipe -> YAML -> command line, with progress on stderr while Megatron loads.
+
+    Validation uses the layout's GPU count, or the launcher's world size when training under torchrun.
+    """
     from recipes import get_recipe
 
     recipe = get_recipe(args.recipe)
     layout = recipe.layout(args.layout)
+    training = not (args.dryrun or args.to_yaml)
+    gpus = (_launched_world_size() if training else None) or layout.gpus
     if args.yaml:  # fail before the slow imports
         from bridge_ext.overrides import load_yaml_file
 
         load_yaml_file(args.yaml)
     from rich.console import Console
 
-    with Console(stderr=True).status(f"building {recipe.name} ({layout.cluster}) ..."):
+    with Console(stderr=True, quiet=not _is_rank_zero()).status(f"building {recipe.name} ({layout.cluster}) ..."):
         from bridge_ext.build import build_config, quiet_megatron, validate_for_layout
 
         quiet_megatron()
@@ -148,7 +163,7 @@ def _resolve(args: argparse.Namespace):
 
         cfg = build_config(recipe, layout=args.layout)
         apply_user_overrides(cfg, yaml_path=args.yaml, overrides=args.overrides)
-        checked = validate_for_layout(cfg, gpus=layout.gpus)
+        checked = validate_for_layout(cfg, gpus=gpus)
     return recipe, layout, cfg, checked
 
 

@@ -191,3 +191,15 @@ def test_full_recipe_refuses_cpu_mode(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_8b_muon")
     assert code == 2 and "8.2 B parameters and no GPU is visible" in err
+
+
+@pytest.mark.slow
+def test_training_validates_for_the_launched_world_size(monkeypatch):
+    """Under torchrun, WORLD_SIZE (not the layout's GPU count) decides data parallelism."""
+    args = cli.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_8b_muon"])
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    _, layout, _, checked = cli._resolve(args)
+    assert layout.gpus == 8 and checked.data_parallel_size == 4
+    monkeypatch.setenv("WORLD_SIZE", "6")  # TP4 cannot split 6 ranks
+    with pytest.raises(cli.UserError, match="6 GPUs are not divisible by tp\\*pp\\*cp=4"):
+        cli._resolve(args)
