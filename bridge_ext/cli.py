@@ -81,7 +81,8 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
 def cmd_info(args: argparse.Namespace) -> int:
     from recipes import get_recipe
 
-    info = _info(get_recipe(args.recipe), args.layout)
+    recipe = get_recipe(args.recipe)
+    info = _info(recipe.with_preset(args.preset) if args.preset else recipe, args.layout)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -106,7 +107,7 @@ def _write_atomic(path: Path, text: str, *, overwrite: bool) -> None:
     tmp.replace(path)
 
 
-def _summary(recipe_name: str, layout: str, cfg, gpus: int) -> str:
+def _summary(recipe, layout: str, cfg, gpus: int) -> str:
     m, o, t = cfg.model, cfg.optimizer, cfg.train
     parallel = (f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size}"
                 f" VP{m.virtual_pipeline_model_parallel_size or 1} EP{m.expert_model_parallel_size}"
@@ -114,7 +115,7 @@ def _summary(recipe_name: str, layout: str, cfg, gpus: int) -> str:
                 f" DP{cfg.data_parallel_size} on {gpus} GPUs")
     muon = ", ".join(f"{k.removeprefix('muon_')}={getattr(o, k)}" for k in vars(o) if k.startswith("muon_"))
     lines = [
-        f"recipe      {recipe_name} (layout {layout})",
+        f"recipe      {recipe.name} (layout {layout}, optimizer preset {recipe.preset.name})",
         f"model       {type(m).__name__}: {m.num_layers} layers, hidden {m.hidden_size}"
         + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.num_moe_experts else ""),
         f"parallel    {parallel}",
@@ -146,6 +147,8 @@ def _resolve(args: argparse.Namespace):
     from recipes import get_recipe
 
     recipe = get_recipe(args.recipe)
+    if args.preset:
+        recipe = recipe.with_preset(args.preset)
     layout = recipe.layout(args.layout)
     training = not (args.dryrun or args.to_yaml)
     gpus = (_launched_world_size() if training else None) or layout.gpus
@@ -167,10 +170,24 @@ def _resolve(args: argparse.Namespace):
     return recipe, layout, cfg, checked
 
 
+# Overrides that pick one of the recipe's parts instead of setting a config field.
+_PART_SELECTORS = ("preset", "layout")
+
+
+def _split_part_selectors(args: argparse.Namespace) -> None:
+    """``preset=NAME`` / ``layout=NAME`` in the override list select recipe parts (like --layout)."""
+    remaining = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in _PART_SELECTORS:
+            setattr(args, key, value)
+        else:
+            remaining.append(item)
+    args.overrides = remaining
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    unknown_flags = [o for o in args.overrides if o.startswith("-")]
-    if unknown_flags:
-        raise UserError(f"unknown option {unknown_flags[0]}; see `nemo llm pretrain --help`")
+    _split_part_selectors(args)
     if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
         raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
     recipe, layout, cfg, checked = _resolve(args)
@@ -182,7 +199,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         print(f"wrote {args.to_yaml} ({recipe.name}, layout {layout.cluster})", file=sys.stderr)
         return 0
     if args.dryrun:
-        print(_summary(recipe.name, layout.cluster, checked, layout.gpus))
+        print(_summary(recipe, layout.cluster, checked, checked.data_parallel_size * (
+            checked.model.tensor_model_parallel_size * checked.model.pipeline_model_parallel_size
+            * checked.model.context_parallel_size)))
         print("---")
         print(resolved, end="")
         return 0
@@ -233,13 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="one recipe's model, parameter counts, optimizer and layout")
     p.add_argument("--recipe", required=True)
     p.add_argument("--layout", help="a layout name from the recipe's list (default: its first)")
+    p.add_argument("--preset", help="another optimizer preset (default: the recipe's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("pretrain", help="pre-train a recipe (--dryrun: validate and print the config)",
                        description="Precedence: recipe < --yaml < command-line key=value overrides.")
     p.add_argument("--recipe", required=True)
-    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first)")
+    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first); or layout=NAME")
+    p.add_argument("--preset", help="another optimizer preset (default: the recipe's); or preset=NAME")
     p.add_argument("--yaml", help="YAML file of config values (full dump or partial)")
     p.add_argument("--dryrun", action="store_true", help="validate, print a summary and the resolved YAML")
     p.add_argument("--to-yaml", metavar="FILE", help="write the resolved config to FILE and exit")

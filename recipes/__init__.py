@@ -7,7 +7,7 @@ Bridge's ``ConfigContainer``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge_ext.errors import UserError, closest
@@ -32,6 +32,13 @@ class Recipe:
     @property
     def default_layout(self) -> str:
         return next(iter(self.layouts))
+
+    def with_preset(self, name: str) -> Recipe:
+        """This recipe with another optimizer preset (``preset=NAME`` on the command line)."""
+        if name not in PRESETS:
+            raise UserError(f"unknown optimizer preset '{name}'{closest(name, PRESETS)}; "
+                            f"choose one of: {', '.join(PRESETS)}")
+        return replace(self, preset=PRESETS[name])
 
     def layout(self, name: str | None = None) -> Layout:
         name = name or self.default_layout

@@ -203,3 +203,21 @@ def test_training_validates_for_the_launched_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")  # TP4 cannot split 6 ranks
     with pytest.raises(cli.UserError, match="6 GPUs are not divisible by tp\\*pp\\*cp=4"):
         cli._resolve(args)
+
+
+@pytest.mark.slow
+def test_preset_and_layout_are_selectable_with_the_override_grammar(capsys):
+    code, out, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "preset=adamw",
+                              "layout=h100x512", "optimizer.lr=1e-4", "--dryrun")
+    assert code == 0, err
+    assert "(layout h100x512, optimizer preset adamw)" in out and "on 512 GPUs" in out
+    resolved = yaml.safe_load(out.partition("---\n")[2])
+    assert resolved["optimizer"]["optimizer"] == "adam" and resolved["optimizer"]["lr"] == 1e-4
+    assert resolved["ddp"]["use_distributed_optimizer"] is True
+    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "preset=adamx", "--dryrun")
+    assert code == 2 and "unknown optimizer preset 'adamx' (did you mean 'adamw'?)" in err
+
+
+def test_info_with_another_preset(capsys):
+    _, out, _ = run_main(capsys, "llm", "info", "--recipe", "qwen3_8b_muon", "--preset", "adamw", "--json")
+    assert json.loads(out)["optimizer"]["optimizer"] == "adam"
