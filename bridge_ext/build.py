@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from recipes import Layout, Recipe
 
-__all__ = ["build_config", "model_provider", "quiet_megatron", "validate_for_layout"]
+__all__ = ["build_config", "model_provider", "quiet_megatron", "resolve_for_run", "validate_for_layout"]
 
 OUTPUT_ROOT = "nemo_experiments"  # relative, so resolved YAML is the same on every machine
 
@@ -93,6 +93,7 @@ def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
 
     from bridge_ext.compat import check_optimizer_fields
+    from bridge_ext.muon import apply_preset
 
     preset = recipe.preset
     check_optimizer_fields(preset.name, preset.optimizer)
@@ -101,6 +102,14 @@ def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     cfg.scheduler = SchedulerConfig(**preset.scheduler)
     for key, value in preset.ddp.items():
         setattr(cfg.ddp, key, value)
+    apply_preset(cfg, preset, runtime=False)  # QK-clip and other model-level fields
+
+
+def resolve_for_run(cfg: ConfigContainer, recipe: Recipe) -> None:
+    """What must follow every override: schedule fractions become iteration counts for train_iters."""
+    from bridge_ext.muon import resolve_schedule
+
+    resolve_schedule(cfg, recipe.preset)
 
 
 def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
@@ -133,6 +142,7 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
         if not hasattr(target, leaf):
             raise AttributeError(f"recipe {recipe.name} overrides unknown field {dotted}")
         setattr(target, leaf, value)
+    resolve_for_run(cfg, recipe)
     return cfg
 
 

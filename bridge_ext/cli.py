@@ -10,6 +10,7 @@ Fast paths (``recipes``, ``info``) read the shipped configs only; torch and Mega
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ from bridge_ext.errors import UserError
 
 __all__ = ["main"]
 
-OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export")
+OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan")
+# Modules that add subcommands through `register(subparsers)`; each imports its heavy parts lazily.
+_COMMAND_MODULES = ("muon",)
 
 
 def _err(text: str) -> None:
@@ -65,8 +68,10 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
         "hidden_size": model.hf_config["hidden_size"],
         "params_total": model.params.total,
         "params_active": model.params.active,
-        "optimizer": {"preset": recipe.preset.name, **recipe.preset.optimizer},
-        "scheduler": dict(recipe.preset.scheduler),
+        "optimizer": {"preset": recipe.preset.name, **recipe.preset.optimizer,
+                      "ns_coefficients": recipe.preset.ns_coefficients},
+        "scheduler": {**recipe.preset.scheduler, **recipe.preset.schedule_fractions},
+        "optimizer_model_settings": dict(recipe.preset.model),  # e.g. QK-clip
         "layout": {"name": layout.cluster, **layout.parallelism()},
         "micro_batch_size": layout.micro_batch_size,
         "global_batch_size": layout.global_batch_size,
@@ -125,7 +130,14 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
         f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
     ]
     if o.optimizer in ("muon", "dist_muon"):
-        lines.append(f"muon        {muon}")
+        lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}")
+    if getattr(m, "qk_clip", False):
+        lines.append(f"qk-clip     threshold {m.qk_clip_threshold}, alpha {m.qk_clip_alpha}")
+    sch = cfg.scheduler
+    warmup = sch.lr_warmup_iters or f"{sch.lr_warmup_fraction:.4%} of decay iterations"
+    decay = f", final {sch.lr_wsd_decay_iters} iterations {sch.lr_wsd_decay_style}" if sch.lr_decay_style == "WSD" else ""
+    lines.append(f"schedule    {sch.lr_decay_style}: warm-up {warmup}{decay}; weight decay "
+                 f"{sch.start_weight_decay}->{sch.end_weight_decay}")
     return "\n".join(lines)
 
 
@@ -159,13 +171,14 @@ def _resolve(args: argparse.Namespace):
     from rich.console import Console
 
     with Console(stderr=True, quiet=not _is_rank_zero()).status(f"building {recipe.name} ({layout.cluster}) ..."):
-        from bridge_ext.build import build_config, quiet_megatron, validate_for_layout
+        from bridge_ext.build import build_config, quiet_megatron, resolve_for_run, validate_for_layout
 
         quiet_megatron()
         from bridge_ext.overrides import apply_user_overrides
 
         cfg = build_config(recipe, layout=args.layout)
         apply_user_overrides(cfg, yaml_path=args.yaml, overrides=args.overrides)
+        resolve_for_run(cfg, recipe)
         checked = validate_for_layout(cfg, gpus=gpus)
     return recipe, layout, cfg, checked
 
@@ -229,7 +242,11 @@ def _train(recipe, cfg, *, device: str) -> int:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    pretrain(cfg, forward_step)
+    from bridge_ext.muon import MuonTelemetry, apply_preset
+
+    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
+    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if recipe.preset.kind == "muon" else []
+    pretrain(cfg, forward_step, callbacks=callbacks)
     return 0
 
 
@@ -270,12 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=2e-4")
     p.set_defaults(func=cmd_pretrain)
 
-    try:
-        from bridge_ext import convert
-    except ImportError:
-        convert = None
-    if convert is not None:
-        convert.register(sub)
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"bridge_ext.{name}").register(sub)
     return root
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from bridge_ext.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
-from recipes.optimizers import PRESETS, OptimizerPreset
+from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin
 
 __all__ = ["RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset"]
 
@@ -50,8 +50,11 @@ class Recipe:
         return self.layouts[name]
 
 
-# Muon preset each model's `_muon` recipe uses; the `_adamw` twin always uses "adamw".
-_MUON_PRESET = {model: "nvidia_perf" for model in MODELS}
+# Muon preset each model's `_muon` recipe uses (docs/muon.md says why); its `_adamw` twin uses the AdamW
+# preset with the same learning rate, schedule and weight decay (recipes.optimizers.adamw_twin).
+# Kimi K2 (MLA): the paper's MuonClip recipe; QK-clip bounds MLA's attention logits.
+# Qwen3: Moonlight; QK-norm already bounds the logits, and weight-level QK-clip is a no-op under it.
+_MUON_PRESET = {name: "kimi_k2" if spec.family == "kimi_k2" else "moonlight" for name, spec in MODELS.items()}
 
 # Proxies run 50-200 iterations instead of 10^5-10^6: the schedule is shortened (the same shape).
 # Learning rates tuned once with `nemo llm compare` over 1e-3..1e-2 (docs/cpu.md): the best final loss
@@ -69,13 +72,14 @@ _PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only 
 def _compose() -> dict[str, Recipe]:
     recipes = {}
     for model_name, model in MODELS.items():
-        for suffix, preset, twin in (("muon", _MUON_PRESET[model_name], "adamw"), ("adamw", "adamw", "muon")):
+        muon = PRESETS[_MUON_PRESET[model_name]]
+        for suffix, preset, twin in (("muon", muon, "adamw"), ("adamw", adamw_twin(muon), "muon")):
             name = f"{model_name}_{suffix}"
             proxy = model.proxy_of is not None
             recipes[name] = Recipe(
                 name=name,
                 model=model,
-                preset=PRESETS[preset],
+                preset=preset,
                 layouts=LAYOUTS[model_name],
                 twin=f"{model_name}_{twin}",
                 overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix]} if proxy else {},

@@ -31,9 +31,17 @@ class OptimizerPreset:
     optimizer: Mapping[str, Any]  # megatron.bridge.training.config.OptimizerConfig fields
     scheduler: Mapping[str, Any]  # megatron.bridge.training.config.SchedulerConfig fields
     ddp: Mapping[str, Any] = field(default_factory=dict)  # DDP settings the optimizer forces
+    # What megatron-core 0.16 has no OptimizerConfig/SchedulerConfig field for (bridge_ext.muon applies it):
+    # emerging-optimizers' Newton-Schulz coefficient set; megatron-core never passes one, so
+    # TensorParallelMuon uses "quintic" unless bridge_ext.muon installs another.
+    ns_coefficients: Literal["simple", "quintic"] = "quintic"
+    # TransformerConfig fields the optimizer relies on (QK-clip lives there, not in OptimizerConfig).
+    model: Mapping[str, Any] = field(default_factory=dict)
+    # Scheduler lengths as fractions of train.train_iters, resolved after overrides (bridge_ext.muon).
+    schedule_fractions: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("optimizer", "scheduler", "ddp"):
+        for name in ("optimizer", "scheduler", "ddp", "model", "schedule_fractions"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property
@@ -124,3 +132,104 @@ ADAMW = derive(
 )
 
 PRESETS: dict[str, OptimizerPreset] = {preset.name: preset for preset in (NVIDIA_PERF, ADAMW)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Paper-faithful Muon presets. Settings megatron-core 0.16's OptimizerConfig/SchedulerConfig have no field
+# for (ns_coefficients, model, schedule_fractions) are applied by ``bridge_ext.muon.apply_preset``.
+# ---------------------------------------------------------------------------------------------------------
+
+__all__ += ["MOONLIGHT", "KIMI_K2", "KIMI_K2_SCHEDULE", "adamw_twin"]
+
+
+# Moonlight (arXiv 2502.16982, "Muon is Scalable for LLM Training"), Algorithm 1 and section 2.2:
+# Keller Jordan's Newton-Schulz (a, b, c) = (3.4445, -4.7750, 2.0315) x 5, Nesterov momentum 0.95,
+# update scaled by 0.2 * sqrt(max(A, B)) so its RMS matches AdamW's (0.2-0.4), weight decay 0.1 applied
+# to the matrices too; AdamW (0.9, 0.95) for everything that is not a hidden matrix. lr transfers from AdamW.
+MOONLIGHT = OptimizerPreset(
+    name="moonlight",
+    kind="muon",
+    summary="Moonlight Muon: KJ Newton-Schulz x5, Nesterov 0.95, 0.2*sqrt(max(A,B)) scale, wd 0.1; AdamW lr",
+    source="Moonlight, arXiv 2502.16982 (Algorithm 1, sec. 2.2); Keller Jordan's Muon (NS coefficients)",
+    optimizer={
+        **_COMMON_OPTIMIZER,  # lr 3e-4 / min_lr 3e-5 = the AdamW twin's: Moonlight's lr transfers unchanged
+        "optimizer": "dist_muon",  # layer-wise distributed: the same update as "muon", whole matrices per rank
+        "weight_decay": 0.1,
+        "muon_momentum": 0.95,
+        "muon_use_nesterov": True,
+        "muon_scale_mode": "spectral",  # sqrt(max(rows, cols))
+        "muon_extra_scale_factor": 0.2,  # x 0.2: update RMS ~ AdamW's
+        "muon_num_ns_steps": 5,
+        "muon_fp32_matmul_prec": "medium",  # NS in bf16, as Keller Jordan's reference
+        "muon_tp_mode": "blockwise",
+        "muon_split_qkv": True,  # Q, K, V orthogonalized separately (per query group)
+        "use_distributed_optimizer": False,
+    },
+    scheduler={
+        **_COMMON_SCHEDULER,
+        # The scheduler sets every param group's weight decay each step: it must say 0.1 too, or it
+        # silently replaces the optimizer's 0.1 (nvidia_perf's scheduler says 0.033).
+        "start_weight_decay": 0.1,
+        "end_weight_decay": 0.1,
+        "weight_decay_incr_style": "constant",
+    },
+    ddp={"use_distributed_optimizer": False, "overlap_param_gather": False},
+    ns_coefficients="simple",  # emerging-optimizers' "simple" = [(3.4445, -4.7750, 2.0315)]
+)
+
+# Kimi K2 (arXiv 2507.20534: MuonClip and the pre-training recipe): 15.5 T tokens at ~67 M tokens per batch
+# (2**26), 500 warm-up steps, 2e-4 constant for 10 T tokens, cosine to 2e-5 over the last 5.5 T tokens;
+# weight decay 0.1; MuonClip tau 100.
+_KIMI_K2_STEPS = 15.5e12 / 2**26  # ~230,968 optimizer steps
+KIMI_K2_SCHEDULE = {
+    "lr_warmup_fraction": 500 / _KIMI_K2_STEPS,  # ~0.00216 of train.train_iters
+    "lr_wsd_decay_fraction": 5.5 / 15.5,  # cosine over the final ~35.5 % of train.train_iters
+}
+
+KIMI_K2 = replace(
+    derive(
+        MOONLIGHT,
+        name="kimi_k2",
+        summary="MuonClip as Kimi K2: moonlight + QK-clip (tau 100, alpha 0.5), 2e-4 WSD schedule to 2e-5",
+        source="Kimi K2, arXiv 2507.20534 (MuonClip, Algorithm 1; training recipe, sec. 3)",
+        optimizer={"lr": 2e-4, "min_lr": 2e-5},
+        scheduler={
+            "lr_decay_style": "WSD",  # warm-up, constant, then the WSD decay below
+            "lr_wsd_decay_style": "cosine",
+            "lr_warmup_iters": 0,
+            "lr_warmup_fraction": KIMI_K2_SCHEDULE["lr_warmup_fraction"],
+            "lr_decay_iters": None,  # train.train_iters
+            "lr_wsd_decay_iters": None,  # resolved from lr_wsd_decay_fraction by bridge_ext.muon.resolve_schedule
+        },
+    ),
+    model={"qk_clip": True, "qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5, "log_max_attention_logit": True},
+    schedule_fractions={"lr_wsd_decay_fraction": KIMI_K2_SCHEDULE["lr_wsd_decay_fraction"]},
+)
+
+
+
+def adamw_twin(muon: OptimizerPreset) -> OptimizerPreset:
+    """AdamW with ``muon``'s learning rate, schedule and weight decay: the other half of an A/B pair.
+
+    Only the optimizer and what it forces change (distributed optimizer on; no QK-clip, which is part of
+    MuonClip). ``nvidia_perf``'s twin is ``adamw`` itself.
+    """
+    if muon.name == NVIDIA_PERF.name:
+        return ADAMW
+    return replace(
+        derive(
+            muon,
+            name=f"{muon.name}_adamw",
+            kind="adamw",
+            summary=f"AdamW (betas 0.9/0.95) with {muon.name}'s learning rate, schedule and weight decay",
+            source=f"the A/B twin of {muon.name}",
+            optimizer={"optimizer": "adam", "use_distributed_optimizer": True},
+            ddp=ADAMW.ddp,
+        ),
+        ns_coefficients="quintic",
+        model={},
+    )
+
+
+PRESETS.update({preset.name: preset for preset in (MOONLIGHT, KIMI_K2)})
+PRESETS.update({twin.name: twin for twin in map(adamw_twin, (MOONLIGHT, KIMI_K2))})

@@ -26,7 +26,7 @@ def test_recipes_lists_every_recipe_with_preset_and_layout(capsys):
     lines = out.strip().splitlines()[1:]
     assert len(lines) == 24
     kimi = next(line for line in lines if line.startswith("kimi_k2_muon "))
-    assert "nvidia_perf" in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
+    assert " kimi_k2 " in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
 
 
 def test_info_json_for_qwen3_8b(capsys):
@@ -36,7 +36,8 @@ def test_info_json_for_qwen3_8b(capsys):
     assert info["name"] == "qwen3_8b_muon" and info["model_type"] == "qwen3"
     assert (info["num_layers"], info["hidden_size"]) == (36, 4096)
     assert abs(info["params_total"] / 8.2e9 - 1) < 0.01 and info["params_active"] == info["params_total"]
-    assert info["optimizer"]["preset"] == "nvidia_perf"
+    assert info["optimizer"]["preset"] == "moonlight" and info["optimizer"]["ns_coefficients"] == "simple"
+    assert info["optimizer"]["muon_extra_scale_factor"] == 0.2 and info["optimizer"]["weight_decay"] == 0.1
     assert {k for k in info["optimizer"] if k.startswith("muon_")} == {
         "muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
         "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor"}
@@ -176,11 +177,18 @@ def test_pretrain_hands_the_resolved_config_to_megatron_bridge(capsys, monkeypat
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(mb_pretrain, "pretrain", lambda cfg, step: calls.append((cfg, step)))
-    code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_8b_muon", "optimizer.lr=1e-4")
+    monkeypatch.setattr(mb_pretrain, "pretrain", lambda cfg, step, callbacks: calls.append((cfg, step, callbacks)))
+    from bridge_ext.muon import install_ns_coefficients
+
+    try:
+        code, _, err = run_main(capsys, "llm", "pretrain", "--recipe", "qwen3_8b_muon", "optimizer.lr=1e-4")
+    finally:
+        install_ns_coefficients("quintic")  # process-wide; leave megatron-core's default for other tests
     assert code == 0, err
-    (cfg, step), = calls
+    (cfg, step, callbacks), = calls
     assert cfg.optimizer.lr == 1e-4 and cfg.optimizer.optimizer == "dist_muon"
+    assert cfg.optimizer.muon_extra_scale_factor == 0.2  # the recipe's moonlight preset
+    assert [type(c).__name__ for c in callbacks] == ["MuonTelemetry"]
     assert cfg.model.tensor_model_parallel_size == 4 and step.__name__ == "forward_step"
 
 

@@ -110,7 +110,7 @@ def test_proxies_share_family_and_preset_with_their_full_recipes():
         representative = {"kimi_k2": "kimi_k2", "qwen3": "qwen3_8b", "qwen3_moe": "qwen3_30b_a3b"}
         optimizer = name.rpartition("_")[2]
         full = recipes.get_recipe(f"{representative[recipe.model.proxy_of]}_{optimizer}")
-        assert recipe.model.family == full.model.family and recipe.preset is full.preset
+        assert recipe.model.family == full.model.family and recipe.preset == full.preset
         cfg, full_cfg = recipe.model.hf_config, full.model.hf_config
         assert cfg["architectures"] == full_cfg["architectures"] and cfg["model_type"] == full_cfg["model_type"]
         assert set(cfg) - {"quantization_config"} == set(full_cfg) - {"quantization_config"}
@@ -120,12 +120,26 @@ def test_proxies_share_family_and_preset_with_their_full_recipes():
         assert recipe.model.params.total < 1e6
 
 
-def test_muon_preset_pins_every_muon_field_of_the_stack():
+def test_muon_presets_pin_every_muon_field_of_the_stack():
     from bridge_ext.compat import SUPPORTED_STACKS
 
+    for preset in PRESETS.values():
+        if preset.kind == "muon":
+            for stack in SUPPORTED_STACKS:
+                assert set(preset.muon_fields) == set(stack.muon_fields), preset.name
+            assert preset.ddp["use_distributed_optimizer"] is False
+
+
+def test_default_presets():
+    assert recipes.get_recipe("kimi_k2_muon").preset.name == "kimi_k2"
+    assert recipes.get_recipe("kimi_k2_proxy_muon").preset.name == "kimi_k2"
+    for name in ("qwen3_8b_muon", "qwen3_30b_a3b_muon", "qwen3_proxy_muon", "qwen3_moe_proxy_muon"):
+        assert recipes.get_recipe(name).preset.name == "moonlight"
+    assert recipes.get_recipe("qwen3_8b_adamw").preset.name == "moonlight_adamw"
+
+
+def test_nvidia_perf_is_the_benchmarked_configuration():
     preset = PRESETS["nvidia_perf"]
-    for stack in SUPPORTED_STACKS:
-        assert set(preset.muon_fields) == set(stack.muon_fields)
     assert preset.optimizer["optimizer"] == "dist_muon"
     assert preset.muon_fields["muon_use_nesterov"] is True  # megatron-core's default is False
     assert (preset.muon_fields["muon_momentum"], preset.muon_fields["muon_num_ns_steps"]) == (0.95, 5)
@@ -133,14 +147,25 @@ def test_muon_preset_pins_every_muon_field_of_the_stack():
     assert preset.ddp["use_distributed_optimizer"] is False
 
 
-def test_adamw_preset_differs_from_muon_only_in_the_optimizer():
-    muon, adamw = PRESETS["nvidia_perf"], PRESETS["adamw"]
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_adamw_twin_preset_differs_from_muon_only_in_the_optimizer(model):
+    muon, adamw = recipes.get_recipe(f"{model}_muon").preset, recipes.get_recipe(f"{model}_adamw").preset
     changed = {k for k in muon.optimizer if muon.optimizer[k] != adamw.optimizer[k]}
     assert changed == {"optimizer", "use_distributed_optimizer"}
     assert dict(muon.scheduler) == dict(adamw.scheduler)
+    assert dict(muon.schedule_fractions) == dict(adamw.schedule_fractions)
     assert set(muon.ddp) == set(adamw.ddp) == {"use_distributed_optimizer", "overlap_param_gather"}
+    assert adamw.model == {}  # QK-clip belongs to MuonClip
+    assert PRESETS[adamw.name] is adamw or adamw == PRESETS[adamw.name]
 
 
-def test_recipe_registry_imports_without_torch():
-    code = "import sys, recipes, bridge_ext.cli; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_recipes_and_info_answer_without_importing_torch_or_megatron():
+    code = (
+        "import sys\n"
+        "from bridge_ext.cli import main\n"
+        "assert main(['llm', 'recipes']) == 0\n"
+        "assert main(['llm', 'info', '--recipe', 'kimi_k2_muon', '--json']) == 0\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers'})\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
