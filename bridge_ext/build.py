@@ -6,12 +6,11 @@ weights); the base template, optimizer and scheduler configs are Megatron Bridge
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from typing import TYPE_CHECKING
 
-from bridge_ext.cpu_mode import have_transformer_engine, install_te_import_guard
+from bridge_ext.cpu_mode import install_te_import_guard
 from bridge_ext.errors import UserError
 from bridge_ext.hf import load_hf_config
 
@@ -146,39 +145,14 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     return cfg
 
 
-# Provider flags whose validation only checks that Transformer Engine kernels import on this machine
-# (megatron/core/transformer/transformer_config.py:1834 for moe_permute_fusion, megatron-core 0.16.1).
-_TE_KERNEL_FLAGS = ("moe_permute_fusion",)
-
-
-@contextlib.contextmanager
-def _skip_gpu_only_validation():
-    """Skip the checks of ``validate()`` that query the GPU itself when no GPU is visible.
-
-    ``megatron/bridge/training/config.py:1608`` (megatron-bridge 0.3.1) ends ``validate()`` with
-    ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py:75``), which reads
-    ``torch.cuda.get_device_properties(0)``: a dry run on a login node checks everything else.
-    """
-    import torch
-    from megatron.bridge.training import config as mb_config
-
-    if torch.cuda.is_available():
-        yield
-        return
-    original = mb_config.validate_flex_dispatcher_backend
-    mb_config.validate_flex_dispatcher_backend = lambda model_config: None
-    try:
-        yield
-    finally:
-        mb_config.validate_flex_dispatcher_backend = original
-
-
 def validate_for_layout(cfg: ConfigContainer, *, gpus: int) -> ConfigContainer:
     """Run Megatron Bridge's ``ConfigContainer.validate()`` as if on ``gpus`` ranks; returns the copy.
 
-    Validation mutates (finalizes) the config, so it runs on a deep copy. Checks that need the GPU
-    itself (e.g. the flex dispatcher's device check) are skipped when none is visible.
+    Validation mutates (finalizes) the config, so it runs on a deep copy. Checks that need the GPU or
+    Transformer Engine on *this* machine are skipped when they are absent (``cpu_mode.validation_without_gpu``).
     """
+    from bridge_ext.cpu_mode import validation_without_gpu
+
     checked = copy.deepcopy(cfg)
     tp_pp_cp = (
         checked.model.tensor_model_parallel_size
@@ -190,12 +164,8 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int) -> ConfigContainer:
     checked.data_parallel_size = gpus // tp_pp_cp
     if checked.comm_overlap is not None:
         checked.comm_overlap.data_parallel_size = checked.data_parallel_size
-    if not have_transformer_engine():
-        # These only check that TE's kernels are importable here, which says nothing about the target.
-        for flag in _TE_KERNEL_FLAGS:
-            setattr(checked.model, flag, False)
     try:
-        with _skip_gpu_only_validation():
+        with validation_without_gpu(checked):
             checked.validate()
     except (AssertionError, ValueError, TypeError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__

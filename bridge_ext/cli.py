@@ -224,6 +224,83 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def _train(recipe, cfg, *, device: str) -> int:
     import torch
 
+    from bridge_ext.compat import apply_stack_fixes
+
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if device == "gpu" and not torch.cuda.is_available():
+        raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
+    if use_cpu and recipe.model.params.total > _CPU_PARAM_LIMIT:
+        raise UserError(
+            f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
+            "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
+        )
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from bridge_ext.muon import MuonTelemetry, apply_preset
+
+    apply_stack_fixes()  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
+    if use_cpu:
+        from bridge_ext import cpu_mode
+
+        print("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
+        cpu_mode.enable_cpu_mode()
+        cpu_mode.configure_for_cpu(cfg)
+        cpu_mode.init_single_process_distributed()  # in-memory store: no port, no launcher needed
+    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
+    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if recipe.preset.kind == "muon" else []
+    try:
+        pretrain(cfg, forward_step, callbacks=callbacks)
+    finally:
+        if use_cpu and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+_CPU_PARAM_LIMIT = 2e9  # CPU mode is for proxies; anything bigger would take days or run out of memory
+
+
+# Overrides that pick one of the recipe's parts instead of setting a config field.
+_PART_SELECTORS = ("preset", "layout")
+
+
+def _split_part_selectors(args: argparse.Namespace) -> None:
+    """``preset=NAME`` / ``layout=NAME`` in the override list select recipe parts (like --layout)."""
+    remaining = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in _PART_SELECTORS:
+            setattr(args, key, value)
+        else:
+            remaining.append(item)
+    args.overrides = remaining
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    _split_part_selectors(args)
+    if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
+        raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
+    recipe, layout, cfg, checked = _resolve(args)
+    from bridge_ext.overrides import config_to_yaml
+
+    resolved = config_to_yaml(cfg)
+    if args.to_yaml:
+        _write_atomic(Path(args.to_yaml), resolved, overwrite=args.overwrite)
+        print(f"wrote {args.to_yaml} ({recipe.name}, layout {layout.cluster})", file=sys.stderr)
+        return 0
+    if args.dryrun:
+        print(_summary(recipe, layout.cluster, checked, checked.data_parallel_size * (
+            checked.model.tensor_model_parallel_size * checked.model.pipeline_model_parallel_size
+            * checked.model.context_parallel_size)))
+        print("---")
+        print(resolved, end="")
+        return 0
+    return _train(recipe, cfg, device=args.device)
+
+
+def _train(recipe, cfg, *, device: str) -> int:
+    import torch
+
     use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if use_cpu:
         limit = 2e9

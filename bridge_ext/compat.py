@@ -84,7 +84,6 @@ def check_optimizer_fields(preset: str, fields: dict) -> None:
         )
 
 
-
 @cache
 def installed_stack() -> Stack:
     """The supported stack matching the installed megatron-bridge / megatron-core versions."""
@@ -100,3 +99,139 @@ def installed_stack() -> Stack:
     raise UnsupportedStackError(
         f"megatron-bridge {bridge} + megatron-core {core} is not a supported stack; supported: {known}"
     )
+
+
+# =========================================================================================================
+# Stack fixes: version mismatches inside a pinned stack that break it on any device (GPU included).
+# Not CPU-specific; applied by `apply_stack_fixes()` (bridge_ext.cpu_mode.enable_cpu_mode calls it; a GPU
+# entry point should call it too). Each fix names the upstream line, applies only to the stacks listed,
+# and raises StackFixError when its target no longer looks as expected.
+# =========================================================================================================
+
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+class StackFixError(RuntimeError):
+    """An upstream target of a stack fix changed; the fix needs updating."""
+
+
+@dataclass(frozen=True)
+class StackFix:
+    name: str
+    stacks: tuple[str, ...]
+    check: Callable[[], None]  # raises StackFixError when the target drifted
+    apply: Callable[[], None]
+    why: str
+
+
+def _source_line(module: Any, number: int) -> str:
+    lines = inspect.getsourcelines(module)[0]
+    return lines[number - 1] if 0 < number <= len(lines) else ""
+
+
+def _expect_line(module_name: str, number: int, text: str) -> None:
+    module = importlib.import_module(module_name)
+    if text not in _source_line(module, number):
+        raise StackFixError(f"{module.__file__}:{number} no longer contains {text!r}")
+
+
+# --- megatron-core 0.16 optimizer/muon.py vs emerging-optimizers 0.3.0 ------------------------------------
+# muon.py:103 calls OrthogonalizedOptimizer.__init__(..., use_nesterov=...) but 0.3.0 names it `nesterov`
+# (keyword-only, required) -> TypeError; muon.py:87 calls newton_schulz_tp(..., mode=...) but 0.3.0 names
+# it `tp_mode` -> TypeError on the first step.
+
+
+def _check_muon_kwargs() -> None:
+    _expect_line("megatron.core.optimizer.muon", 103, "use_nesterov=use_nesterov")
+    _expect_line("megatron.core.optimizer.muon", 87, 'mode="duplicated" if mode == "blockwise" else mode')
+    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+
+    init = inspect.signature(OrthogonalizedOptimizer.__init__).parameters
+    ns = inspect.signature(newton_schulz_tp).parameters
+    if "nesterov" not in init or "use_nesterov" in init or "tp_mode" not in ns or "mode" in ns:
+        raise StackFixError("emerging_optimizers Muon signatures changed; update the Muon stack fix")
+
+
+def _apply_muon_kwargs() -> None:
+    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+
+    muon = importlib.import_module("megatron.core.optimizer.muon")
+    tp_muon = muon.TensorParallelMuon
+    if tp_muon.__bases__ != (OrthogonalizedOptimizer,):
+        if getattr(tp_muon.__bases__[0], "_bridge_ext_fix", False):
+            return  # already applied
+        raise StackFixError(f"TensorParallelMuon bases are {tp_muon.__bases__}")
+
+    class _OrthogonalizedOptimizerKwargs(OrthogonalizedOptimizer):
+        """Accepts megatron-core 0.16's ``use_nesterov=`` for emerging-optimizers 0.3.0's ``nesterov=``."""
+
+        _bridge_ext_fix = True
+
+        def __init__(self, *args: Any, use_nesterov: bool, **kwargs: Any) -> None:
+            super().__init__(*args, nesterov=use_nesterov, **kwargs)
+
+    def newton_schulz_tp_mode(*args: Any, mode: str = "duplicated", **kwargs: Any) -> Any:
+        return newton_schulz_tp(*args, tp_mode=mode, **kwargs)
+
+    tp_muon.__bases__ = (_OrthogonalizedOptimizerKwargs,)
+    muon.newton_schulz_tp = newton_schulz_tp_mode
+
+
+# --- megatron-bridge 0.3 training/initialize.py:139 compile_helpers() ------------------------------------
+# runs `make` in megatron/core/datasets, but the PyPI wheel ships the prebuilt helpers_cpp extension and no
+# Makefile -> "Failed to compile" and sys.exit(1). Use the prebuilt extension (fail if it is missing).
+
+
+def _check_compile_helpers() -> None:
+    _expect_line("megatron.bridge.training.initialize", 139, "compile_helpers()")
+    _expect_line("megatron.core.datasets.utils", 25, '["make", "-C"')
+
+
+def _apply_compile_helpers() -> None:
+    initialize = importlib.import_module("megatron.bridge.training.initialize")
+
+    def use_prebuilt_helpers() -> None:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")  # ImportError if not prebuilt
+
+    initialize.compile_helpers = use_prebuilt_helpers
+
+
+STACK_FIXES: tuple[StackFix, ...] = (
+    StackFix(
+        name="muon-kwargs",
+        stacks=("nemo-26.02",),
+        check=_check_muon_kwargs,
+        apply=_apply_muon_kwargs,
+        why="megatron-core 0.16 Muon passes use_nesterov=/mode=; emerging-optimizers 0.3.0 wants nesterov=/tp_mode=",
+    ),
+    StackFix(
+        name="prebuilt-dataset-helpers",
+        stacks=("nemo-26.02",),
+        check=_check_compile_helpers,
+        apply=_apply_compile_helpers,
+        why="the wheel has no Makefile for compile_helpers(); its prebuilt helpers_cpp works",
+    ),
+)
+
+_stack_fixes_applied = False
+
+
+def apply_stack_fixes() -> None:
+    """Apply every stack fix for the installed stack (idempotent). Raises StackFixError on upstream drift."""
+    global _stack_fixes_applied
+    if _stack_fixes_applied:
+        return
+    stack = installed_stack()
+    for fix in STACK_FIXES:
+        if stack.name in fix.stacks:
+            fix.check()
+            fix.apply()
+    _stack_fixes_applied = True
+
+
+__all__ += ["STACK_FIXES", "StackFix", "StackFixError", "apply_stack_fixes"]

@@ -1,21 +1,60 @@
 """Workarounds for running Megatron Bridge without a GPU or without Transformer Engine.
 
 Every patch names the upstream file and line it works around and the stacks it was written for; it refuses
-to apply elsewhere (``tests/test_cpu_mode.py`` notices when upstream changes under it). None of this is
-active when Transformer Engine is installed.
+to apply elsewhere (``tests/test_cpu_mode.py`` notices when upstream changes under it). The TE import guard
+is inactive when Transformer Engine is installed; CPU mode is only active once :func:`enable_cpu_mode` ran
+(the CLI calls it for ``--device cpu`` or when no GPU is visible), never on a normal GPU run.
+
+CPU mode (:func:`enable_cpu_mode`) is a development and testing mode: it runs Megatron Bridge's real
+``pretrain()`` loop (data, forward, backward, optimizer step, clipping, LR schedule, logging, torch_dist
+checkpoints) in one CPU process for tiny models. It works in three ways, in order of preference:
+
+1. Official settings (:func:`configure_for_cpu`): local layer spec, fusions off, fp32, gloo, world size 1.
+2. Module-scoped CUDA redirection: in the upstream modules listed in ``_TORCH_ON_CPU`` the global name
+   ``torch`` is replaced by a proxy whose ``torch.cuda`` answers for the CPU (current device, streams,
+   events, synchronize, RNG state) and whose tensor factories turn ``device="cuda"`` into the CPU.
+   The real ``torch`` module is untouched, so code outside those modules sees the real CUDA state.
+3. A few targeted attribute replacements (``_PATCHES``), each naming the upstream line it works around.
+
+The only process-wide change is ``torch.Tensor.cuda`` (see :func:`_patch_tensor_cuda`): methods are
+looked up on the class, so they cannot be scoped to one module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
+import linecache
+import math
 import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
-from bridge_ext.compat import installed_stack
+from bridge_ext.compat import apply_stack_fixes, installed_stack
 
-__all__ = ["MISSING_TE", "have_transformer_engine", "install_te_import_guard"]
+__all__ = [
+    "MISSING_TE",
+    "CPU_STACKS",
+    "SDPACoreAttention",
+    "check_patch_targets",
+    "validation_without_gpu",
+    "configure_for_cpu",
+    "cpu_layer_spec",
+    "cpu_mode_active",
+    "enable_cpu_mode",
+    "have_transformer_engine",
+    "init_single_process_distributed",
+    "install_te_import_guard",
+    "patch_table",
+    "reset_megatron_globals",
+]
 
 _TE_IMPORT = "import transformer_engine.pytorch as te"
 _GUARDED_TE_IMPORT = "from bridge_ext.cpu_mode import MISSING_TE as te"
@@ -104,3 +143,838 @@ def install_te_import_guard() -> bool:
     targets = dict(installed_stack().unguarded_te_imports)
     sys.meta_path.insert(0, _TEImportGuard(targets))
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU mode
+# ---------------------------------------------------------------------------------------------------------
+
+# Stacks (bridge_ext.compat.Stack.name) the CPU patches below were written against, line numbers included.
+CPU_STACKS: tuple[str, ...] = ("nemo-26.02",)
+
+_active = False
+
+
+def cpu_mode_active() -> bool:
+    """True once :func:`enable_cpu_mode` has run in this process."""
+    return _active
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _is_cuda_device(device: Any) -> bool:
+    torch = _torch()
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # an int device means a CUDA ordinal
+
+
+class _NullStream:
+    """A CUDA stream/event stand-in: work on the CPU is synchronous, so every wait is already done."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, *args: Any) -> None:
+        return None
+
+    def wait_event(self, *args: Any) -> None:
+        return None
+
+    def record_event(self, *args: Any) -> _NullStream:
+        return self
+
+    def record(self, *args: Any) -> None:
+        return None
+
+    def wait(self, *args: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _NvtxOnCPU:
+    @staticmethod
+    def range_push(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def range_pop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def range(*args: Any, **kwargs: Any) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+
+class _CudaOnCPU:
+    """Stands in for ``torch.cuda`` inside the patched upstream modules.
+
+    The "current CUDA device" is the CPU; streams and events are no-ops; the CUDA RNG state is the CPU
+    default generator's state (dropout and init on the CPU draw from it, so forking it in Megatron's RNG
+    tracker keeps the tracker's semantics). Anything not listed falls through to the real ``torch.cuda``.
+    """
+
+    Stream = _NullStream
+    Event = _NullStream
+    nvtx = _NvtxOnCPU
+
+    def __init__(self, claims_gpu: bool = False) -> None:
+        self.random = self  # torch.cuda.random.get_rng_state(...)
+        self._claims_gpu = claims_gpu
+
+    def is_available(self) -> bool:
+        """False (the truth), except in modules that assert a GPU before doing CPU-safe work."""
+        return self._claims_gpu
+
+    @staticmethod
+    def current_device():
+        return _torch().device("cpu")
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda"):
+        return _torch().get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: Any, device: Any = "cuda") -> None:
+        _torch().set_rng_state(new_state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        _torch().default_generator.manual_seed(int(seed))
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def current_stream(*args: Any) -> _NullStream:
+        return _NullStream()
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(*args: Any) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def _noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    set_device = set_stream = synchronize = empty_cache = reset_peak_memory_stats = _noop
+    reset_max_memory_allocated = _noop
+
+    @staticmethod
+    def _zero(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+    memory_allocated = max_memory_allocated = memory_reserved = max_memory_reserved = _zero
+
+    @staticmethod
+    def memory_stats(*args: Any, **kwargs: Any) -> dict:
+        return {}
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_torch().cuda, name)
+
+
+class _DistributedOnCPU:
+    """Stands in for ``torch.distributed``: NCCL process groups become gloo ones."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_torch().distributed, name)
+
+    @staticmethod
+    def init_process_group(backend: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if backend in (None, "nccl"):
+            backend = "gloo"
+        _torch().distributed.init_process_group(backend, *args, **kwargs)
+
+    @staticmethod
+    def new_group(*args: Any, backend: Any = None, **kwargs: Any) -> Any:
+        if backend == "nccl":
+            backend = "gloo"
+        return _torch().distributed.new_group(*args, backend=backend, **kwargs)
+
+
+_FACTORIES = frozenset(
+    {
+        "arange", "as_tensor", "empty", "empty_like", "empty_strided", "eye", "full", "full_like", "linspace",
+        "ones", "ones_like", "rand", "randint", "randn", "randperm", "tensor", "zeros", "zeros_like",
+    }
+)
+
+
+class _TorchOnCPU(types.ModuleType):
+    """Stands in for the ``torch`` module inside one patched upstream module (see ``_TORCH_ON_CPU``)."""
+
+    def __init__(self, claims_gpu: bool = False) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCPU(claims_gpu)
+        self.distributed = _DistributedOnCPU()
+        self._wrapped: dict[str, Callable] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(_torch(), name)
+        if name not in _FACTORIES:
+            return value
+        if name not in self._wrapped:
+
+            def factory(*args: Any, _real=value, **kwargs: Any) -> Any:
+                if _is_cuda_device(kwargs.get("device")):
+                    kwargs["device"] = "cpu"
+                return _real(*args, **kwargs)
+
+            self._wrapped[name] = factory
+        return self._wrapped[name]
+
+
+_TORCH_PROXIES: dict[bool, _TorchOnCPU] = {}
+
+# Upstream modules whose global ``torch`` becomes a ``_TorchOnCPU``, and the lines (stack "nemo-26.02":
+# megatron-core 0.16.1, megatron-bridge 0.3.1) that need it. Every listed line must still mention
+# ``cuda`` (or ``nccl``); tests/test_cpu_mode.py fails otherwise.
+_TORCH_ON_CPU: dict[str, tuple[int, ...]] = {
+    # RoPE buffers moved to torch.cuda.current_device()
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (162, 297),
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": (122, 126),
+    # router weights, expert bias and aux-loss tensors on torch.cuda.current_device()
+    "megatron.core.transformer.moe.router": (90, 92, 169, 178, 192, 198),
+    "megatron.core.transformer.moe.moe_utils": (998,),
+    # CUDA RNG tracker (fork/add/seed) -> the CPU generator
+    "megatron.core.tensor_parallel.random": (55, 235, 237, 238, 422),
+    # initialize: asserts CUDA, sets the device and stream, seeds only if device_count() > 0
+    "megatron.bridge.training.initialize": (83, 209, 539, 554, 560, 678, 764, 782),
+    # default causal / sliding-window masks of the local DotProductAttention
+    "megatron.core.transformer.utils": (35, 40),
+    # global memory buffer (local attention), local multi_tensor_l2norm result, nvtx ranges
+    "megatron.core.utils": (631, 1207, 2186, 2215),
+    # parameters, all-gather buffers and mappings allocated on torch.cuda.current_device()
+    "megatron.core.tensor_parallel.layers": (261, 552, 597, 607, 873, 899, 1197, 1218),
+    "megatron.core.tensor_parallel.mappings": (91, 141, 148, 181, 442),
+    "megatron.core.models.gpt.gpt_model": (415,),
+    "megatron.core.transformer.transformer_layer": (936, 1147),
+    "megatron.core.transformer.attention": (430,),
+    "megatron.core.transformer.moe.experts": (184, 192),
+    # DDP grad buffers and their communication stream
+    "megatron.core.distributed.param_and_grad_buffer": (417, 422, 529, 768, 783, 800, 806),
+    "megatron.core.distributed.distributed_data_parallel": (230, 588, 594, 611),
+    # optimizer: found_inf / scale / overflow buffers, grad-norm and zero-count buffers
+    "megatron.core.optimizer.optimizer": (362, 473, 481, 485, 907, 1141),
+    "megatron.core.optimizer.clip_grads": (90, 103, 115, 174, 207),
+    # schedules, timers, rerun state machine
+    "megatron.core.pipeline_parallel.schedules": (596, 983, 2138),
+    "megatron.core.timers": (152, 165, 303),
+    "megatron.core.rerun_state_machine": (261, 265, 525, 567, 957, 970),
+    # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())`, DDP stream
+    "megatron.bridge.models.model_provider": (170, 171, 235, 583, 708, 709, 710, 724),
+    # Megatron Bridge's training loop, batches, logging, checkpoints
+    "megatron.bridge.training.setup": (164,),
+    "megatron.bridge.data.loaders": (270,),
+    "megatron.bridge.training.eval": (193, 218),
+    "megatron.bridge.training.train": (748, 781, 833, 1214),
+    "megatron.bridge.training.checkpointing": (257, 407, 1796, 1808, 1839),
+    "megatron.bridge.training.utils.train_utils": (178, 188, 260, 308, 330, 404, 720, 787),
+    "megatron.bridge.training.utils.batch_utils": (86, 91, 96, 107, 114),
+    # torch_dist checkpoint save: synchronize after staging, success/verification all-reduces
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": (230,),
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": (204, 252),
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": (272, 281),
+    "megatron.core.dist_checkpointing.strategies.async_utils": (165, 212, 604),
+}
+
+# Modules whose ``torch.cuda.is_available()`` answers True: they assert a GPU, then do CPU-safe work.
+_CLAIMS_GPU = frozenset({"megatron.bridge.training.initialize"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Targeted attribute patches
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Patch:
+    """Replace ``module.attr`` (or set it, when ``must_exist`` is False) to work around upstream lines.
+
+    ``lines`` are (line number, text the line must still contain) in the module's source file.
+    """
+
+    name: str
+    module: str
+    attr: str
+    lines: tuple[tuple[int, str], ...]
+    why: str
+    make: Callable[[Any], Any]  # old value (or None) -> new value
+    must_exist: bool = True
+    stacks: tuple[str, ...] = CPU_STACKS
+
+
+def _rng_state_get(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    return _torch().get_rng_state()
+
+
+def _rng_state_set(new_state: Any, device: Any = -1, graph_safe: bool = False) -> None:
+    _torch().set_rng_state(new_state)
+
+
+def _mla_build_module(build_module: Callable) -> Callable:
+    """``build_module`` for multi_latent_attention.py: its local core attention becomes SDPA-based."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def build(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        if spec is DotProductAttention or getattr(spec, "module", None) is DotProductAttention:
+            return SDPACoreAttention(*args, **kwargs)
+        return build_module(spec, *args, **kwargs)
+
+    return build
+
+
+def _clip_grad_by_total_norm_fp32(clip_grads: Any) -> Callable:
+    """``clip_grads.clip_grad_by_total_norm_fp32`` with its fp32 check on the dtype, not the CUDA type."""
+    torch = _torch()
+
+    def clip_grad_by_total_norm_fp32(
+        parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+    ) -> None:
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        grads = []
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+            if grad is not None:
+                assert grad.dtype == torch.float32 or (use_decoupled_grad and grad.dtype == torch.bfloat16)
+                grads.append(clip_grads.to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0 and grads:
+            overflow_buf = torch.zeros(1, dtype=torch.int)
+            scale = clip_grads.multi_tensor_scale_impl
+            clip_grads.multi_tensor_applier(scale, overflow_buf, [grads, grads], clip_coeff)
+
+    return clip_grad_by_total_norm_fp32
+
+
+def _jit_warmup(warmup: Callable) -> Callable:
+    """``initialize._warmup_jit_function`` that skips warming fused kernels the CPU config turned off."""
+
+    def warmup_jit_function(model_config: Any, micro_batch_size: int) -> None:
+        if model_config.bias_activation_fusion or model_config.bias_dropout_fusion:
+            warmup(model_config, micro_batch_size)
+
+    return warmup_jit_function
+
+
+_PATCHES: tuple[_Patch, ...] = (
+    _Patch(
+        name="jit-warmup",
+        module="megatron.bridge.training.initialize",
+        attr="_warmup_jit_function",
+        lines=((299, "_warmup_jit_function(model_config, micro_batch_size)"), (707, 'device="cuda"')),
+        why="warms torch.compile'd bias_swiglu/bias_dropout_add on CUDA tensors; with those fusions off (CPU) "
+        "the kernels never run, and compiling them with inductor costs ~3 s per run",
+        make=_jit_warmup,
+    ),
+    _Patch(
+        name="clip-grads-fp32-check",
+        module="megatron.core.optimizer.clip_grads",
+        attr="clip_grad_by_total_norm_fp32",
+        lines=((167, "assert param.grad.type() == 'torch.cuda.FloatTensor'"),),
+        why="asserts the legacy CUDA tensor type; a CPU fp32 grad is 'torch.FloatTensor'",
+        make=lambda old: _clip_grad_by_total_norm_fp32(importlib.import_module("megatron.core.optimizer.clip_grads")),
+    ),
+    _Patch(
+        name="clip-grads-fp32-check (imported name)",
+        module="megatron.core.optimizer.optimizer",
+        attr="clip_grad_by_total_norm_fp32",
+        lines=((50, "from .clip_grads import clip_grad_by_total_norm_fp32"),),
+        why="optimizer.py binds the function at import (used at optimizer.py:215 and :1324)",
+        make=lambda old: _clip_grad_by_total_norm_fp32(importlib.import_module("megatron.core.optimizer.clip_grads")),
+    ),
+    _Patch(
+        name="mla-have-te",
+        module="megatron.core.transformer.multi_latent_attention",
+        attr="HAVE_TE",
+        lines=((184, "HAVE_TE"), (185, "isinstance(self.linear_proj, TELinear)")),
+        why="without TE, extensions/transformer_engine.py:76 makes `te` a MagicMock, so the import succeeds, "
+        "HAVE_TE is True and TELinear is a MagicMock instance: isinstance() raises TypeError",
+        make=lambda old: False,
+    ),
+    _Patch(
+        name="rng-get",
+        module="megatron.core.tensor_parallel.random",
+        attr="_get_cuda_rng_state",
+        lines=((55, "torch.cuda.random.get_rng_state"), (66, "torch.cuda.default_generators")),
+        why="the CUDA RNG state is the CPU generator's state",
+        make=lambda old: _rng_state_get,
+    ),
+    _Patch(
+        name="rng-set",
+        module="megatron.core.tensor_parallel.random",
+        attr="_set_cuda_rng_state",
+        lines=((111, "_lazy_call(cb)"),),
+        why="torch.cuda._lazy_call queues the callback forever when CUDA never initializes",
+        make=lambda old: _rng_state_set,
+    ),
+    _Patch(
+        name="moe-te-general-gemm",
+        module="megatron.core.transformer.moe.moe_utils",
+        attr="te_general_gemm",
+        lines=((1192, "te_general_gemm is not None"), (1225, "te_general_gemm is not None")),
+        why="without TE the name is never bound (only imported in a try block): NameError in every router",
+        make=lambda old: None,
+        must_exist=False,
+    ),
+    _Patch(
+        name="mla-core-attention",
+        module="megatron.core.transformer.multi_latent_attention",
+        attr="build_module",
+        lines=((155, "self.core_attention = build_module("), (162, "k_channels=self.q_head_dim")),
+        why="local DotProductAttention takes no k_channels/v_channels; MLA gets an SDPA core attention",
+        make=_mla_build_module,
+    ),
+)
+
+
+# Callers of ``Tensor.cuda()`` / ``Module.cuda()`` on the training path (see :func:`_patch_tensor_cuda`).
+_TENSOR_CUDA_CALLERS: dict[str, tuple[int, ...]] = {
+    "megatron.bridge.training.gpt_step": (131,),  # batch[k].cuda(non_blocking=True)
+    "megatron.bridge.training.utils.batch_utils": (53, 54, 55, 56, 57),
+    "megatron.bridge.models.model_provider": (583,),  # model_module.cuda(torch.cuda.current_device())
+}
+
+
+def patch_table() -> list[dict[str, Any]]:
+    """Every CPU-mode patch as ``{"target", "lines", "why"}`` (for docs and ``--device cpu`` logs)."""
+    rows = [
+        {"target": f"{module}.torch", "lines": list(lines), "why": "torch.cuda / device='cuda' -> CPU"}
+        for module, lines in _TORCH_ON_CPU.items()
+    ]
+    rows += [{"target": f"{p.module}.{p.attr}", "lines": [n for n, _ in p.lines], "why": p.why} for p in _PATCHES]
+    rows += [
+        {"target": "torch.Tensor.cuda (process-wide)", "lines": [f"{m}:{n}" for m, ns in _TENSOR_CUDA_CALLERS.items()
+                                                                for n in ns],
+         "why": "`.cuda()` returns the tensor itself; methods cannot be scoped to a module"}
+    ]
+    return rows
+
+
+def _source_lines(module: types.ModuleType) -> list[str]:
+    path = inspect.getsourcefile(module)
+    if path is None:
+        raise RuntimeError(f"no source for {module.__name__}")
+    return linecache.getlines(path)
+
+
+def _line(module: types.ModuleType, number: int) -> str:
+    lines = _source_lines(module)
+    return lines[number - 1] if 0 < number <= len(lines) else ""
+
+
+def check_patch_targets() -> list[str]:
+    """What no longer matches upstream: one message per drifted target; empty when all patches fit."""
+    problems: list[str] = []
+    for module_name, numbers in _TORCH_ON_CPU.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            problems.append(f"{module_name}: cannot import ({exc})")
+            continue
+        current = module.__dict__.get("torch")
+        if current is not _torch() and not isinstance(current, _TorchOnCPU):
+            problems.append(f"{module_name}: global `torch` is {current!r}, not the torch module")
+        for number in numbers:
+            text = _line(module, number)
+            if "cuda" not in text and "nccl" not in text:
+                problems.append(f"{module.__file__}:{number} no longer mentions cuda or nccl: {text.strip()!r}")
+    for patch in _PATCHES:
+        try:
+            module = importlib.import_module(patch.module)
+        except ImportError as exc:
+            problems.append(f"{patch.module}: cannot import ({exc})")
+            continue
+        if patch.must_exist and not hasattr(module, patch.attr):
+            problems.append(f"{patch.module}.{patch.attr} is gone")
+        for number, text in patch.lines:
+            if text not in _line(module, number):
+                problems.append(f"{module.__file__}:{number} no longer contains {text!r} ({patch.name})")
+    for module_name, numbers in _TENSOR_CUDA_CALLERS.items():
+        module = importlib.import_module(module_name)
+        for number in numbers:
+            text = _line(module, number)
+            if ".cuda(" not in text:
+                problems.append(f"{module.__file__}:{number} no longer calls .cuda(): {text.strip()!r}")
+    return problems
+
+
+def _apply_patches(stack: str) -> None:
+    for module_name in _TORCH_ON_CPU:
+        claims_gpu = module_name in _CLAIMS_GPU
+        proxy = _TORCH_PROXIES.setdefault(claims_gpu, _TorchOnCPU(claims_gpu))
+        importlib.import_module(module_name).torch = proxy
+    for patch in _PATCHES:
+        if stack in patch.stacks:
+            module = importlib.import_module(patch.module)
+            setattr(module, patch.attr, patch.make(getattr(module, patch.attr, None)))
+    _patch_tensor_cuda()
+
+
+def _patch_tensor_cuda() -> None:
+    """``Tensor.cuda()`` returns the tensor itself (process-wide; ``Module.cuda()`` goes through it).
+
+    Works around the callers in ``_TENSOR_CUDA_CALLERS``: ``gpt_step.py:131`` and ``batch_utils.py:53-57``
+    (``batch[k].cuda(non_blocking=True)``), ``model_provider.py:583`` (``model_module.cuda(...)``, which
+    ``pretrain()`` always reaches). A method is looked up on the class, so this cannot be scoped to those
+    modules. Only installed in CPU mode, where no tensor may go to a GPU anyway.
+    """
+    torch = _torch()
+    if getattr(torch.Tensor.cuda, "_bridge_ext_cpu", False):
+        return
+
+    def cuda(self, device: Any = None, non_blocking: bool = False, memory_format: Any = None):
+        return self
+
+    cuda._bridge_ext_cpu = True  # type: ignore[attr-defined]
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+
+def enable_cpu_mode() -> None:
+    """Make Megatron Bridge's model construction, forward/backward, optimizers, training loop and torch_dist
+    checkpoints run on the CPU in one process. Idempotent; refuses stacks the patches were not written for.
+    """
+    global _active
+    if _active:
+        return
+    stack = installed_stack()
+    if stack.name not in CPU_STACKS:
+        raise RuntimeError(
+            f"CPU mode was written for stacks {', '.join(CPU_STACKS)}; the installed stack is {stack.name}. "
+            "Update bridge_ext/cpu_mode.py (and its tests) for this stack first."
+        )
+    install_te_import_guard()
+    apply_stack_fixes()
+    problems = check_patch_targets()
+    if problems:
+        raise RuntimeError("CPU mode patches no longer match upstream:\n  " + "\n  ".join(problems))
+    _apply_patches(stack.name)
+    _active = True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SDPA core attention (MLA without TE)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sdpa_core_attention_class():
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+
+    class _SDPACoreAttention(MegatronModule):
+        """Core attention over [s, b, h, d] query/key/value with ``scaled_dot_product_attention``.
+
+        Stands in for TE's ``DotProductAttention`` in MLA, whose key (``k_channels``) and value
+        (``v_channels``) head sizes differ, which Megatron's local ``DotProductAttention`` cannot do.
+        """
+
+        def __init__(
+            self,
+            config: Any,
+            layer_number: int,
+            attn_mask_type: AttnMaskType,
+            attention_type: str,
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            k_channels: int | None = None,
+            v_channels: int | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection: Any = None,
+        ):
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise ValueError("SDPACoreAttention supports no context parallelism")
+            self.layer_number = layer_number
+            self.attn_mask_type = attn_mask_type
+            k_channels = k_channels or config.kv_channels
+            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
+            self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+            self.current_max_attn_logits = None  # read by MLA's QK-Clip
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: AttnMaskType | None = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise NotImplementedError("SDPACoreAttention: no packed sequences or attention bias")
+            mask_type = attn_mask_type or self.attn_mask_type
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            if k.shape[1] != q.shape[1]:  # grouped query attention
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            causal = mask_type == AttnMaskType.causal
+            mask = None
+            if not causal and attention_mask is not None:
+                mask = ~attention_mask  # Megatron masks are True where attention is forbidden
+            if self.config.qk_clip or self.config.log_max_attention_logit:
+                logits = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
+                if causal:
+                    s_q, s_k = logits.shape[-2:]
+                    upper = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+                    logits = logits.masked_fill(upper, float("-inf"))
+                self.current_max_attn_logits = logits.detach().amax(dim=(0, 2, 3))
+            dropout_p = self.dropout_p if self.training else 0.0
+            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+                )
+            out = out.permute(2, 0, 1, 3)  # [s, b, h, dv]
+            return out.reshape(out.shape[0], out.shape[1], -1)
+
+    return _SDPACoreAttention
+
+
+class _LazyClass:
+    """Builds the class on first use, so importing this module does not import torch or Megatron."""
+
+    def __init__(self, build: Callable[[], type]):
+        self._build = build
+
+    @property
+    def cls(self) -> type:
+        if not hasattr(self, "_cls"):
+            self._cls = self._build()
+        return self._cls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.cls(*args, **kwargs)
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self.cls)
+
+
+SDPACoreAttention = _LazyClass(_sdpa_core_attention_class)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configuration and process setup
+# ---------------------------------------------------------------------------------------------------------
+
+
+def init_single_process_distributed() -> None:
+    """A gloo process group of world size 1 on an in-memory store (no-op when a group exists).
+
+    No TCP port and no environment variables: concurrent CPU runs on one machine (and their child
+    processes) cannot collide. Call it before ``pretrain()`` on CPU, which then uses this group instead of
+    a TCP rendezvous on MASTER_PORT (default 29500, ``megatron/bridge/utils/common_utils.py:149``), and
+    leaves it to the caller to destroy (``torch.distributed.destroy_process_group()``). Also what
+    ``provide_distributed_model`` needs outside ``pretrain()``, e.g. for conversion.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def reset_megatron_globals() -> None:
+    """Clear the Megatron process globals that outlive one ``pretrain()`` or model, for the next one.
+
+    Several runs in one process (tests, in-process comparisons) otherwise collide on: the microbatch
+    calculator, rerun state machine and parallel state when a run ended in ``sys.exit`` (``exit_interval``);
+    ``MoEAuxLossAutoScaler.main_loss_backward_scale`` left 0-d by a backward outside ``pretrain()``
+    (``initialize.py:209`` then fails to ``copy_`` a [1] tensor into it); and moe_utils'
+    ``_MOE_LAYER_WISE_LOGGING_TRACKER``, sized for the first MoE model's layer count (IndexError at
+    ``moe_utils.py:897`` for a deeper one). Leaves the process group alone. Not CPU-specific.
+    """
+    from megatron.bridge.training.initialize import destroy_global_state
+    from megatron.core.transformer.moe import moe_utils
+
+    destroy_global_state()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER.clear()
+
+
+# Model settings that cannot run on one CPU process, and the value that can. Everything else is kept.
+_CPU_MODEL_SETTINGS: dict[str, Any] = {
+    "transformer_impl": "local",  # TE kernels are CUDA-only
+    "use_transformer_engine_full_layer_spec": False,
+    "use_cpu_initialization": True,
+    "init_model_with_meta_device": False,
+    "cuda_graph_impl": "none",
+    "fp8": None,
+    "fp16": False,
+    "bf16": False,  # fp32 params and compute: bf16 optimizers reject CPU tensors on megatron-core 0.16
+    "fp16_lm_cross_entropy": False,
+    # fused kernels (apex / TE / triton / CUDA JIT)
+    "gradient_accumulation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "persist_layer_norm": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+    # one process: no model parallelism and nothing to overlap with
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "pipeline_model_parallel_layout": None,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
+    "sequence_parallel": False,
+    "tp_comm_overlap": False,
+    "moe_shared_expert_overlap": False,  # needs a CUDA side stream
+    "overlap_moe_expert_parallel_comm": False,
+}
+
+# MoE-only settings (set only when the model has experts).
+_CPU_MOE_SETTINGS: dict[str, Any] = {
+    "moe_token_dispatcher_type": "allgather",  # alltoall/flex create CUDA streams or need DeepEP/HybridEP
+    "moe_grouped_gemm": False,  # GroupedMLP needs the CUDA grouped_gemm package, TEGroupedMLP needs TE
+    "moe_enable_deepep": False,
+}
+
+
+def cpu_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def _configure_model(model: Any) -> None:
+    import torch
+
+    for name, value in _CPU_MODEL_SETTINGS.items():
+        if hasattr(model, name):
+            setattr(model, name, value)
+    if getattr(model, "num_moe_experts", None):
+        for name, value in _CPU_MOE_SETTINGS.items():
+            if hasattr(model, name):
+                setattr(model, name, value)
+    model.params_dtype = torch.float32
+    if hasattr(model, "pipeline_dtype"):
+        model.pipeline_dtype = None
+    if hasattr(model, "autocast_dtype"):
+        model.autocast_dtype = torch.float32
+    model.transformer_layer_spec = cpu_layer_spec
+
+
+def configure_for_cpu(cfg: Any) -> None:
+    """Rewrite a Megatron Bridge ``ConfigContainer`` to the official settings that run on one CPU process.
+
+    Only what cannot run on one CPU process changes (layer spec, fusions, precision, parallelism,
+    distributed optimizer, overlap, backend); data, tokenizer, optimizer hyper-parameters, schedule,
+    recompute and checkpoint settings stay. A bare model provider (e.g. from
+    ``AutoBridge.to_megatron_provider``) is accepted too; then only the model settings change.
+    """
+    import torch
+
+    if not hasattr(cfg, "model"):  # a GPTModelProvider
+        _configure_model(cfg)
+        return
+    _configure_model(cfg.model)
+    cfg.mixed_precision = None  # fp32: the bf16 optimizer wrapper rejects CPU tensors on megatron-core 0.16
+    cfg.comm_overlap = None
+    cfg.dist.distributed_backend = "gloo"
+    cfg.dist.use_gloo_process_groups = True
+    cfg.dist.use_megatron_fsdp = False
+    cfg.dist.use_torch_fsdp2 = False
+    cfg.dist.external_gpu_device_mapping = False
+    cfg.rng.te_rng_tracker = False
+    for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp"):
+        if hasattr(cfg.ddp, name):
+            setattr(cfg.ddp, name, False)
+    opt = cfg.optimizer
+    if opt.optimizer == "dist_muon":
+        # Layer-wise distributed Muon in fp32 trains but cannot save on megatron-core 0.16: torch_dist save
+        # raises KeyError 'optimizer' at optimizer/layer_wise_optimizer.py:289 (its fp32 state dict has no
+        # such key), and CPU must be fp32 (bf16 optimizers reject CPU tensors). With one data-parallel
+        # rank every layer lives on that rank anyway, so plain Muon computes the same update.
+        opt.optimizer = "muon"
+    opt.use_distributed_optimizer = False
+    opt.overlap_param_gather_with_optimizer_step = False
+    opt.bf16 = False
+    opt.fp16 = False
+    opt.params_dtype = torch.float32
+    opt.main_params_dtype = torch.float32
+    opt.use_precision_aware_optimizer = False
+    opt.optimizer_cpu_offload = False
+    cfg.checkpoint.async_save = False  # the async writer process pins CUDA memory
+    # GPU-only monitoring: nsys, CUDA memory history, GPU straggler/throughput detectors
+    if cfg.profiling is not None:
+        cfg.profiling.use_nsys_profiler = False
+        cfg.profiling.record_memory_history = False
+    cfg.straggler = None
+    cfg.nvrx_straggler = None
+    cfg.checkpoint.fully_parallel_load = False  # exchange_utils.py:98 allocates shards with init_data("cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validating a GPU recipe on a machine without a GPU or without Transformer Engine (``--dryrun``)
+# ---------------------------------------------------------------------------------------------------------
+
+# Provider flags whose validation only checks that Transformer Engine kernels import on *this* machine:
+# megatron/core/transformer/transformer_config.py:1834 (megatron-core 0.16.1) for moe_permute_fusion.
+_TE_KERNEL_FLAGS = ("moe_permute_fusion",)
+
+
+@contextlib.contextmanager
+def validation_without_gpu(cfg: Any):
+    """Run ``ConfigContainer.validate()`` for a GPU target on a machine that lacks the GPU or TE.
+
+    - ``megatron/bridge/training/config.py:1608`` (megatron-bridge 0.3.1) ends ``validate()`` with
+      ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py:75``), which reads
+      ``torch.cuda.get_device_properties(0)``: skipped when no GPU is visible.
+    - TE-kernel flags (``_TE_KERNEL_FLAGS``) are turned off on ``cfg`` (a copy being validated) when TE is
+      absent: their check says whether TE is installed here, nothing about the target.
+    Everything else ``validate()`` checks still runs.
+    """
+    import torch
+    from megatron.bridge.training import config as mb_config
+
+    if installed_stack().name not in CPU_STACKS:
+        raise RuntimeError(f"validation_without_gpu was written for {CPU_STACKS}, not {installed_stack().name}")
+    if not have_transformer_engine():
+        for flag in _TE_KERNEL_FLAGS:
+            setattr(cfg.model, flag, False)
+    if torch.cuda.is_available():
+        yield
+        return
+    original = mb_config.validate_flex_dispatcher_backend
+    mb_config.validate_flex_dispatcher_backend = lambda model_config: None
+    try:
+        yield
+    finally:
+        mb_config.validate_flex_dispatcher_backend = original

@@ -1,0 +1,145 @@
+"""``nemo llm muon-plan``: the routing manifest, computed from the shipped HF config, against what Megatron
+really builds and routes (proxy models on CPU), and its Newton-Schulz FLOP formula against a FLOP counter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bridge_ext.muon import muon_plan, newton_schulz_flops, register
+from recipes import get_recipe
+from recipes.params import count_params
+
+PROXIES = ("kimi_k2_proxy_muon", "qwen3_proxy_muon", "qwen3_moe_proxy_muon")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="nemo llm")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_json_is_instant_and_needs_no_torch():
+    code = ("import sys, time; t = time.perf_counter(); from bridge_ext.muon import muon_plan; "
+            "p = muon_plan('kimi_k2_muon'); print(time.perf_counter() - t, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) < 1.0 and out[1] == "False"
+
+
+def test_cli_prints_table_and_json(capsys):
+    args = _parse(["muon-plan", "--recipe", "qwen3_30b_a3b_muon", "--json"])
+    assert args.func(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recipe"] == "qwen3_30b_a3b_muon" and data["tokens_per_step"] == 512 * 4096
+    assert {r["route"] for r in data["rows"]} == {"muon", "adam"}
+    args = _parse(["muon-plan", "--recipe", "kimi_k2_muon"])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "mlp.experts.local_experts.[0-383].linear_fc1.weight" in table and "NS / model" in table
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_muon", "qwen3_30b_a3b_muon", "qwen3_8b_muon", "qwen3_0p6b_muon"])
+def test_totals_match_the_parameter_count(name):
+    recipe = get_recipe(name)
+    plan = muon_plan(recipe)
+    cfg = recipe.model.hf_config
+    bias = 0
+    if cfg.get("topk_method") == "noaux_tc":  # recipes.params counts the router's expert bias (a buffer)
+        bias = cfg["n_routed_experts"] * (cfg["num_hidden_layers"] - cfg["first_k_dense_replace"])
+    assert plan.params_total == count_params(cfg).total - bias
+    assert plan.params_muon == sum(r.params for r in plan.rows if r.route == "muon")
+    assert all(r.route == "adam" for r in plan.rows if len(r.shape) == 1 or "embedding" in r.pattern
+               or r.pattern.startswith("output_layer"))
+
+
+def test_kimi_k2_and_qwen3_30b_figures():
+    kimi, qwen = muon_plan("kimi_k2_muon"), muon_plan("qwen3_30b_a3b_muon")
+    print(f"kimi_k2: Muon share {kimi.muon_share:.4f}, NS {kimi.ns_flops_per_step:.3e} FLOP/step, "
+          f"model {kimi.model_flops_per_step:.3e}, NS/model {kimi.ns_over_model:.4f}")
+    print(f"qwen3_30b_a3b: Muon share {qwen.muon_share:.4f}, NS {qwen.ns_flops_per_step:.3e} FLOP/step, "
+          f"model {qwen.model_flops_per_step:.3e}, NS/model {qwen.ns_over_model:.4f}")
+    assert kimi.tokens_per_step == 4096 * 4096 and qwen.tokens_per_step == 512 * 4096
+    assert 0.997 < kimi.muon_share < 0.999 and 0.975 < qwen.muon_share < 0.985
+    assert 0.01 < kimi.ns_over_model < 0.05 and 0.01 < qwen.ns_over_model < 0.05
+    experts = [r for r in kimi.rows if r.experts]
+    assert {r.copies for r in experts} == {60 * 384}
+    assert sum(r.ns_flops for r in experts) / kimi.ns_flops_per_step > 0.95  # experts dominate NS work
+
+
+def test_blockwise_tensor_parallel_splits_the_matrices():
+    plan = muon_plan("qwen3_8b_muon", layout="h100x8")  # TP4: each rank orthogonalizes its own shard
+    qkv = next(r for r in plan.rows if r.pattern.endswith("linear_qkv.weight"))
+    assert len(qkv.ns_matrices) == 12 and "TP4 blockwise" in qkv.split  # Q|K|V x 4 TP shards
+    assert qkv.ns_matrices[0] == (32 * 128 // 4, 4096) and qkv.ns_matrices[4] == (8 * 128 // 4, 4096)
+    proj = next(r for r in plan.rows if r.pattern.endswith("linear_proj.weight"))
+    assert proj.ns_matrices == ((4096, 4096 // 4),) * 4  # row-parallel: split along the input dim
+
+
+@pytest.mark.parametrize("shape", [(96, 48), (64, 64), (40, 160)])
+def test_ns_flops_formula_matches_a_flop_counter(shape):
+    import torch
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(*shape)
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(x, steps=5, coefficient_type="simple")
+    assert counter.get_total_flops() == newton_schulz_flops(*shape, 5)
+
+
+# ---------------------------------------------------------------------------- against a real proxy model
+def _megatron_routes(recipe_name: str):
+    """{name: (shape, route, is_qkv)} of the proxy model Megatron builds, routed by megatron-core's Muon."""
+    from megatron.bridge.training.optim import setup_optimizer
+
+    from bridge_ext.build import build_config
+    from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed
+
+    init_single_process_distributed()
+    cfg = build_config(get_recipe(recipe_name))
+    configure_for_cpu(cfg)
+    cfg.validate()
+    model = cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
+    optimizer, _ = setup_optimizer(cfg.optimizer, cfg.scheduler, model, use_gloo_process_groups=True)
+    routes = {}
+    for opt in optimizer.chained_optimizers:
+        kind = "muon" if type(opt.optimizer).__name__ == "TensorParallelMuon" else "adam"
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                routes[id(p)] = kind
+    return {
+        name.removeprefix("module."): (tuple(p.shape), routes[id(p)], getattr(p, "is_qkv", False))
+        for name, p in model[0].named_parameters()
+    }
+
+
+@pytest.fixture
+def single_process(cpu_mode):
+    import torch.distributed as dist
+    from megatron.bridge.training.initialize import destroy_global_state
+
+    yield
+    destroy_global_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_name", PROXIES)
+def test_manifest_matches_the_parameters_megatron_routes(single_process, recipe_name):
+    actual = _megatron_routes(recipe_name)
+    plan = muon_plan(recipe_name)
+    planned = {}
+    for row in plan.rows:
+        for name in row.names():
+            planned[name] = (row.shape, row.route, len(row.ns_matrices) == 3 and "Q | K | V" in row.split)
+    assert planned.keys() == actual.keys(), planned.keys() ^ actual.keys()
+    for name, value in actual.items():
+        assert planned[name] == value, (name, planned[name], value)
+    assert plan.params_total == sum(__import__("math").prod(s) for s, _, _ in actual.values())
+    print(f"{recipe_name}: {len(actual)} parameters, {sum(r == 'muon' for _, r, _ in actual.values())} on Muon")
