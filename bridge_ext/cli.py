@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan")
 # Modules that add subcommands through `register(subparsers)`; each imports its heavy parts lazily.
-_COMMAND_MODULES = ("muon",)
+_COMMAND_MODULES = ("convert", "muon")
 
 
 def _err(text: str) -> None:

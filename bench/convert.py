@@ -1,0 +1,174 @@
+"""Conversion throughput and memory on a medium synthetic model, against plain safetensors I/O.
+
+    .venv/bin/python bench/convert.py [--layers 6] [--hidden 2048] [--dtype bfloat16] [--workdir /tmp]
+
+Builds a random Qwen3 with a few wide layers (default ~1.0 GB of bf16 weights) as an HF directory, then
+runs, each in a fresh process so that peak RSS is its own:
+
+* baseline: read every shard with ``safetensors.torch.load_file`` and write it back with ``save_file``;
+* import:   ``bridge_ext.convert.import_hf`` (HF -> Megatron torch_dist), no --verify;
+* export:   ``bridge_ext.convert.export_hf`` (Megatron -> HF).
+
+Prints throughput (checkpoint bytes / wall time) as a ratio to the baseline's, and peak RSS as a ratio to
+the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
+cost of torch + Megatron, which does not grow with the model). Files are in the page cache for all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rss_now_mb() -> float:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) -> int:
+    """Write a random Qwen3 HF directory tensor by tensor (never the whole model in memory)."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import hf_fixtures
+
+    from bridge_ext.convert import _expected_hf_tensors
+    from bridge_ext.hf import load_hf_config
+
+    out.mkdir(parents=True)
+    config = dict(hf_fixtures.QWEN3_TINY, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256, head_dim=128,
+                  vocab_size=32_000, torch_dtype=dtype)  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = _expected_hf_tensors(load_hf_config(out))
+    gen = torch.Generator().manual_seed(0)
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        file = out / f"part-{len(written):05d}.safetensors"
+        save_file(pending, file, metadata={"format": "pt"})
+        written.append((file, list(pending)))
+        pending.clear()
+
+    for name, shape in shapes.items():
+        t = (torch.randn(shape, generator=gen) * 0.02).to(getattr(torch, dtype))
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        pending[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    weight_map = {}
+    for i, (file, keys) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        file.rename(out / final)
+        weight_map.update({k: final for k in keys})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return total
+
+
+def phase(name: str, hf: Path, work: Path) -> dict:
+    """Run in a child process: one phase, its wall time and peak RSS."""
+    if name == "baseline":
+        from safetensors.torch import load_file, save_file
+
+        base = _rss_now_mb()
+        out = work / "baseline"
+        out.mkdir()
+        start = time.perf_counter()
+        total = 0
+        for file in sorted(hf.glob("*.safetensors")):
+            tensors = load_file(file)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, out / file.name, metadata={"format": "pt"})
+            del tensors
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "bytes": total, "peak_mb": _peak_mb(), "base_mb": base}
+
+    import torch  # noqa: F401  (libraries first, so base_mb is the fixed cost)
+
+    from bridge_ext import convert
+
+    convert._prepare_runtime()
+    import megatron.bridge.training.model_load_save  # noqa: F401
+
+    base = _rss_now_mb()
+    if name == "import":
+        summary = convert.import_hf(hf, work / "mg", progress=False, console=None)
+    else:
+        summary = convert.export_hf(work / "mg", work / "out", progress=False, console=None)
+    return {"seconds": summary.seconds, "bytes": summary.bytes, "peak_mb": _peak_mb(), "base_mb": base}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--shard-mb", type=int, default=500)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.phase:  # child
+        print("RESULT " + json.dumps(phase(args.phase, args.hf, args.work)))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
+    try:
+        hf = work / "hf"
+        total = build(hf, layers=args.layers, hidden=args.hidden, dtype=args.dtype, shard_bytes=args.shard_mb * 10**6)
+        print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, {args.dtype}: {total / 1e9:.3f} GB "
+              f"in {len(list(hf.glob('*.safetensors')))} shards")  # fmt: skip
+        results = {}
+        for name in ("baseline", "import", "export"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--phase", name, "--hf", str(hf), "--work", str(work)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+            results[name] = json.loads(lines[-1][len("RESULT "):])
+        base_tp = results["baseline"]["bytes"] / results["baseline"]["seconds"]
+        print(f"{'phase':<9} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
+              f"{'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
+        for name, r in results.items():
+            tp = r["bytes"] / r["seconds"]
+            above = (r["peak_mb"] - r["base_mb"]) * 2**20
+            peak = r["peak_mb"] * 2**20
+            print(f"{name:<9} {r['seconds']:8.2f} {tp / 1e9:7.3f} {tp / base_tp:10.3f} {peak / 1e9:12.2f} "
+                  f"{peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

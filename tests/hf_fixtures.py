@@ -1,0 +1,266 @@
+"""Tiny random Hugging Face checkpoints built with transformers, for conversion and training tests.
+
+Every builder writes a complete HF directory (``config.json`` + safetensors, sharded with an index when
+``shard_bytes`` is given) and returns its path. Weights are random but deterministic (``seed``); norms are
+around 1, the DeepSeek-V3 expert-score bias is non-zero so that tests see it. Nothing is downloaded.
+
+* :func:`qwen3_dir` — dense Qwen3 (GQA, QK-norm), ``Qwen3ForCausalLM``; :func:`qwen3_tied_dir` the same in
+  bf16 with tied embeddings (like Qwen3-0.6B/1.7B/4B).
+* :func:`qwen3_moe_dir` — Qwen3-MoE (softmax router, top-k, no shared expert), ``Qwen3MoeForCausalLM``.
+* :func:`kimi_k2_dir` — Kimi-K2-style DeepSeek-V3: MLA, sigmoid router with expert bias, a shared expert,
+  one dense first layer, YaRN rope; its ``config.json`` is the real Kimi K2 one (``model_type: kimi_k2``,
+  ``auto_map`` into remote code, every key) with only the sizes shrunk.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KIMI_K2_CONFIG",
+    "QWEN3_TINY",
+    "QWEN3_MOE_TINY",
+    "KIMI_K2_TINY_SIZES",
+    "kimi_k2_dir",
+    "kimi_k2_fp8_dir",
+    "quantize_fp8",
+    "qwen3_dir",
+    "qwen3_moe_dir",
+    "qwen3_tied_dir",
+    "randomize_",
+    "write_hf_dir",
+    "write_tokenizer",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+KIMI_K2_CONFIG = REPO / "recipes" / "hf_configs" / "kimi_k2" / "config.json"
+
+QWEN3_TINY: dict[str, Any] = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+QWEN3_MOE_TINY: dict[str, Any] = dict(
+    QWEN3_TINY,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    output_router_logits=False,
+)
+
+# Only sizes change; every other key and value is the real Kimi K2 config's.
+KIMI_K2_TINY_SIZES: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def randomize_(model, *, seed: int) -> None:
+    """Overwrite every parameter and floating buffer with deterministic random values.
+
+    transformers initializes some tensors to constants (norms to 1, the expert-score bias to 0); a
+    conversion that dropped or swapped them would go unnoticed with those values.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        tensors = dict(model.named_parameters())
+        tensors.update({n: b for n, b in model.named_buffers() if b.is_floating_point() and "inv_freq" not in n})
+        for name in sorted(tensors):
+            t = tensors[name]
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                t.copy_(1.0 + 0.1 * noise)
+            elif "e_score_correction_bias" in name:
+                t.copy_(0.1 * noise)
+            else:
+                t.copy_(0.05 * noise)
+
+
+def write_hf_dir(
+    out: str | Path,
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    shard_bytes: int | None = None,
+    config_json: dict[str, Any] | None = None,
+) -> Path:
+    """Build a random model for ``config`` and save it to ``out`` as a HF directory.
+
+    ``config_json``, when given, is written verbatim as ``config.json`` instead of transformers' own
+    serialization (used for configs transformers does not know, such as ``model_type: kimi_k2``).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bridge_ext.hf import load_hf_config
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = dict(config, torch_dtype=dtype)
+    (out / "config.json").write_text(json.dumps(config_json or raw, indent=2) + "\n")
+    hf_config = load_hf_config(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    randomize_(model, seed=seed)
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    # save_pretrained rewrote config.json in transformers' own form; the test wants the source's bytes.
+    (out / "config.json").write_text(json.dumps(config_json or raw, indent=2) + "\n")
+    return out
+
+
+def write_tokenizer(out: str | Path, *, vocab_size: int) -> None:
+    """A tiny word-level fast tokenizer (``w0`` ... ``w{n-1}``) saved the way HF repositories ship one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+
+
+def qwen3_dir(
+    out: str | Path, *, seed: int = 0, dtype: str = "float32", shard_bytes: int | None = None, tokenizer: bool = True
+) -> Path:
+    """Dense Qwen3, with a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) unless told otherwise."""
+    path = write_hf_dir(out, QWEN3_TINY, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
+    if tokenizer:
+        write_tokenizer(path, vocab_size=QWEN3_TINY["vocab_size"])
+    return path
+
+
+def qwen3_tied_dir(out: str | Path, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int | None = None) -> Path:
+    """Qwen3 with tied input/output embeddings in bf16, like Qwen3-0.6B / 1.7B / 4B."""
+    config = dict(QWEN3_TINY, tie_word_embeddings=True)
+    return write_hf_dir(out, config, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
+
+
+def qwen3_moe_dir(
+    out: str | Path, *, seed: int = 0, dtype: str = "float32", shard_bytes: int | None = None
+) -> Path:
+    return write_hf_dir(out, QWEN3_MOE_TINY, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
+
+
+def kimi_k2_config(*, dtype: str = "bfloat16", **overrides: Any) -> dict[str, Any]:
+    """The real Kimi K2 ``config.json`` with tiny sizes (and without the fp8 ``quantization_config``)."""
+    raw = json.loads(KIMI_K2_CONFIG.read_text())
+    raw.pop("quantization_config")  # tiny fixtures store plain floating-point weights
+    raw.update(KIMI_K2_TINY_SIZES)
+    raw["torch_dtype"] = dtype
+    raw.update(overrides)
+    return raw
+
+
+def kimi_k2_dir(
+    out: str | Path, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int | None = None, **overrides: Any
+) -> Path:
+    raw = kimi_k2_config(dtype=dtype, **overrides)
+    return write_hf_dir(out, raw, seed=seed, dtype=dtype, shard_bytes=shard_bytes, config_json=raw)
+
+
+# Linear weights that DeepSeek-V3 / Kimi K2 releases store in fp8 (not embeddings, lm_head, norms, router).
+_FP8_WEIGHTS = ("_proj.weight",)
+
+
+def quantize_fp8(weight, block: tuple[int, int]):
+    """bf16/fp32 -> (float8_e4m3fn weight, float32 scale_inv) with one scale per ``block`` tile.
+
+    The inverse of the releases' dequantization ``W = W_fp8 * scale_inv`` (scale = tile max / 448).
+    """
+    import math
+
+    import torch
+
+    rows, cols = weight.shape
+    br, bc = block
+    w = weight.to(torch.float32)
+    scale = torch.empty(math.ceil(rows / br), math.ceil(cols / bc))
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc]
+            s = tile.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            out[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / s).to(torch.float8_e4m3fn)
+    return out, scale
+
+
+def kimi_k2_fp8_dir(
+    out: str | Path, *, seed: int = 0, block: tuple[int, int] = (16, 16), shard_bytes: int | None = None
+) -> Path:
+    """Kimi-K2-style checkpoint stored like the real release: fp8 (e4m3) linear weights with block scales.
+
+    ``config.json`` keeps the real ``quantization_config`` (with a small ``weight_block_size`` so the tiny
+    matrices have several tiles).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    kimi_k2_dir(out, seed=seed, dtype="bfloat16", shard_bytes=shard_bytes)
+    raw = json.loads((out / "config.json").read_text())
+    quant = json.loads(KIMI_K2_CONFIG.read_text())["quantization_config"]
+    quant["weight_block_size"] = list(block)
+    raw["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(file)
+        converted: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if name.endswith(_FP8_WEIGHTS) and tensor.dim() == 2 and "mlp.gate." not in name:
+                converted[name], converted[f"{name}_scale_inv"] = quantize_fp8(tensor, block)
+                if index is not None:
+                    index["weight_map"][f"{name}_scale_inv"] = file.name
+            else:
+                converted[name] = tensor
+        save_file(converted, file, metadata={"format": "pt"})
+    if index is not None:
+        index_file.write_text(json.dumps(index, indent=2))
+    return out
