@@ -55,7 +55,8 @@ def render_cards() -> str:
                 f"`{model.hf_config['model_type']}`), config shipped in `recipes/hf_configs/{model.name}/` "
                 f"(from `{model.hf_id}`); {model.params.total / 1e9:.2f} B parameters, "
                 f"{model.params.active / 1e9:.2f} B active.",
-                f"- **Optimizer preset**: `{preset.name}`: {preset.summary}. Source: {preset.source}.",
+                f"- **Optimizer preset**: `{preset.name}`: {preset.summary}. Source: {preset.source}. "
+                f"Why: {recipe.preset_why}.",
                 "  " + ", ".join(f"`{k}={v}`" for k, v in preset.optimizer.items()),
                 f"- **A/B twin**: `{recipe.twin}` (differs only in the optimizer and the DDP settings it forces).",
                 *([f"- **Recipe settings**: {', '.join(f'`{k}={v}`' for k, v in recipe.overrides.items())}. "

@@ -28,6 +28,7 @@ class Recipe:
     # Config values this recipe sets on top of its three parts (dotted keys), and why.
     overrides: Mapping[str, Any] = field(default_factory=dict)
     why: str = ""
+    preset_why: str = ""  # why this recipe uses its optimizer preset
 
     @property
     def default_layout(self) -> str:
@@ -38,7 +39,7 @@ class Recipe:
         if name not in PRESETS:
             raise UserError(f"unknown optimizer preset '{name}'{closest(name, PRESETS)}; "
                             f"choose one of: {', '.join(PRESETS)}")
-        return replace(self, preset=PRESETS[name])
+        return replace(self, preset=PRESETS[name], preset_why=f"selected with preset={name}")
 
     def layout(self, name: str | None = None) -> Layout:
         name = name or self.default_layout
@@ -50,11 +51,16 @@ class Recipe:
         return self.layouts[name]
 
 
-# Muon preset each model's `_muon` recipe uses (docs/muon.md says why); its `_adamw` twin uses the AdamW
-# preset with the same learning rate, schedule and weight decay (recipes.optimizers.adamw_twin).
-# Kimi K2 (MLA): the paper's MuonClip recipe; QK-clip bounds MLA's attention logits.
-# Qwen3: Moonlight; QK-norm already bounds the logits, and weight-level QK-clip is a no-op under it.
-_MUON_PRESET = {name: "kimi_k2" if spec.family == "kimi_k2" else "moonlight" for name, spec in MODELS.items()}
+# Muon preset each model family's `_muon` recipe uses, and why (shown on the recipe cards); the `_adamw`
+# twin uses AdamW with the same learning rate, schedule and weight decay (recipes.optimizers.adamw_twin).
+_MUON_PRESET_BY_FAMILY = {
+    "kimi_k2": ("kimi_k2", "the paper's own recipe: MLA has no QK-norm, so MuonClip's QK-clip is what bounds "
+                "the attention logits (Kimi K2 trained 15.5 T tokens without a loss spike with it)"),
+    "qwen3": ("moonlight", "paper-faithful Muon whose update RMS matches AdamW's, so AdamW's learning rate and "
+              "weight decay transfer; Qwen3's QK-norm already bounds the logits (weight-level QK-clip is a "
+              "no-op under it)"),
+}
+_MUON_PRESET_BY_FAMILY["qwen3_moe"] = _MUON_PRESET_BY_FAMILY["qwen3"]
 
 # Proxies run 50-200 iterations instead of 10^5-10^6: the schedule is shortened (the same shape).
 # Learning rates tuned once with `nemo llm compare` over 1e-3..1e-2 (docs/cpu.md): the best final loss
@@ -72,7 +78,8 @@ _PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only 
 def _compose() -> dict[str, Recipe]:
     recipes = {}
     for model_name, model in MODELS.items():
-        muon = PRESETS[_MUON_PRESET[model_name]]
+        preset_name, preset_why = _MUON_PRESET_BY_FAMILY[model.family]
+        muon = PRESETS[preset_name]
         for suffix, preset, twin in (("muon", muon, "adamw"), ("adamw", adamw_twin(muon), "muon")):
             name = f"{model_name}_{suffix}"
             proxy = model.proxy_of is not None
@@ -84,6 +91,7 @@ def _compose() -> dict[str, Recipe]:
                 twin=f"{model_name}_{twin}",
                 overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix]} if proxy else {},
                 why=_PROXY_WHY if proxy else "",
+                preset_why=preset_why if suffix == "muon" else f"the A/B twin of {model_name}_muon",
             )
     return recipes
 
