@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan")
 # Modules that add subcommands through `register(subparsers)`; each imports its heavy parts lazily.
-_COMMAND_MODULES = ("convert", "muon")
+_COMMAND_MODULES = ("convert", "data", "compare", "muon")
 
 
 def _err(text: str) -> None:
@@ -218,112 +218,29 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         print("---")
         print(resolved, end="")
         return 0
-    return _train(recipe, cfg, device=args.device)
+    return _train(recipe, cfg, device=args.device, data=args.data)
 
 
-def _train(recipe, cfg, *, device: str) -> int:
-    import torch
+def _train(recipe, cfg, *, device: str, data: str) -> int:
+    from bridge_ext import training
 
-    from bridge_ext.compat import apply_stack_fixes
-
-    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if device == "gpu" and not torch.cuda.is_available():
-        raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
-    if use_cpu and recipe.model.params.total > _CPU_PARAM_LIMIT:
-        raise UserError(
-            f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
-            "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
-        )
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
-
-    from bridge_ext.muon import MuonTelemetry, apply_preset
-
-    apply_stack_fixes()  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
-    if use_cpu:
-        from bridge_ext import cpu_mode
-
-        print("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
-        cpu_mode.enable_cpu_mode()
-        cpu_mode.configure_for_cpu(cfg)
-        cpu_mode.init_single_process_distributed()  # in-memory store: no port, no launcher needed
-    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
-    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if recipe.preset.kind == "muon" else []
-    try:
-        pretrain(cfg, forward_step, callbacks=callbacks)
-    finally:
-        if use_cpu and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
-
-
-_CPU_PARAM_LIMIT = 2e9  # CPU mode is for proxies; anything bigger would take days or run out of memory
-
-
-# Overrides that pick one of the recipe's parts instead of setting a config field.
-_PART_SELECTORS = ("preset", "layout")
-
-
-def _split_part_selectors(args: argparse.Namespace) -> None:
-    """``preset=NAME`` / ``layout=NAME`` in the override list select recipe parts (like --layout)."""
-    remaining = []
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in _PART_SELECTORS:
-            setattr(args, key, value)
-        else:
-            remaining.append(item)
-    args.overrides = remaining
-
-
-def cmd_pretrain(args: argparse.Namespace) -> int:
-    _split_part_selectors(args)
-    if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
-        raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
-    recipe, layout, cfg, checked = _resolve(args)
-    from bridge_ext.overrides import config_to_yaml
-
-    resolved = config_to_yaml(cfg)
-    if args.to_yaml:
-        _write_atomic(Path(args.to_yaml), resolved, overwrite=args.overwrite)
-        print(f"wrote {args.to_yaml} ({recipe.name}, layout {layout.cluster})", file=sys.stderr)
-        return 0
-    if args.dryrun:
-        print(_summary(recipe, layout.cluster, checked, checked.data_parallel_size * (
-            checked.model.tensor_model_parallel_size * checked.model.pipeline_model_parallel_size
-            * checked.model.context_parallel_size)))
-        print("---")
-        print(resolved, end="")
-        return 0
-    return _train(recipe, cfg, device=args.device)
-
-
-def _train(recipe, cfg, *, device: str) -> int:
-    import torch
-
-    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if use_cpu:
-        limit = 2e9
-        if recipe.model.params.total > limit:
-            raise UserError(
-                f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
-                "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
-            )
-        from bridge_ext import cpu_mode
-
-        print("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
-        cpu_mode.enable_cpu_mode()
-        cpu_mode.configure_for_cpu(cfg)
-    elif device == "gpu" and not torch.cuda.is_available():
-        raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
-
-    from bridge_ext.muon import MuonTelemetry, apply_preset
-
-    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
-    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if recipe.preset.kind == "muon" else []
-    pretrain(cfg, forward_step, callbacks=callbacks)
+    prepared = training.prepare(recipe, cfg, device=device, data=data)
+    say = print if _is_rank_zero() else (lambda *a, **k: None)
+    if prepared.use_cpu:
+        say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
+    say(f"data: {prepared.data}", file=sys.stderr)
+    callbacks = []
+    if prepared.use_cpu:  # one process: record the loss curve next to the checkpoints
+        run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")
+        losses = run_dir / "losses.jsonl"
+        callbacks.append(training.loss_recorder(losses))
+    training.run_pretrain(cfg, prepared, callbacks=callbacks)
+    if prepared.use_cpu:
+        curve = run_dir / "loss.png"
+        training.write_loss_curve(losses, curve, title=f"{recipe.name} ({prepared.data})")
+        say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
+        say(f"TensorBoard log: {cfg.logger.tensorboard_dir}")
+        say(f"loss curve:      {curve} (values: {losses})")
     return 0
 
 
@@ -361,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="let --to-yaml replace an existing file")
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: CPU mode when no GPU is visible")
+    p.add_argument("--data", choices=("auto", "text", "mock"), default="auto",
+                   help="auto: proxy recipes train on the standard-library text corpus (`nemo llm prepare-data`), "
+                        "other recipes on mock data unless dataset.blend is set")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=2e-4")
     p.set_defaults(func=cmd_pretrain)
 

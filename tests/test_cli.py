@@ -229,3 +229,21 @@ def test_preset_and_layout_are_selectable_with_the_override_grammar(capsys):
 def test_info_with_another_preset(capsys):
     _, out, _ = run_main(capsys, "llm", "info", "--recipe", "qwen3_8b_muon", "--preset", "adamw", "--json")
     assert json.loads(out)["optimizer"]["optimizer"] == "adam"
+
+
+@pytest.mark.slow
+def test_cpu_pretrain_on_text_writes_checkpoint_and_loss_curve(tmp_path):
+    """`nemo llm pretrain` of a proxy with no GPU: real text, checkpoint, TensorBoard log and loss curve."""
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [NEMO, "llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--device", "cpu", "train.train_iters=12",
+         f"checkpoint.save={run}/ckpt", f"checkpoint.load={run}/ckpt", f"logger.tensorboard_dir={run}/tb"],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "CPU mode" in result.stderr and "data: " in result.stderr and "stdlib" in result.stderr
+    assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    losses = [json.loads(line) for line in (run / "ckpt" / "losses.jsonl").read_text().splitlines()]
+    values = [r["loss"] for r in losses if "loss" in r]
+    assert len(values) == 12 and values[-1] < values[0] - 0.5  # real text: ln(4096) = 8.3 at the start
+    assert (run / "ckpt" / "loss.png").stat().st_size > 10_000 and any((run / "tb").iterdir())
+    assert f"loss curve:      {run}/ckpt/loss.png" in result.stdout

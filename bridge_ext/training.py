@@ -1,0 +1,145 @@
+"""From a resolved config to Megatron Bridge's ``pretrain()``: the one path ``nemo llm pretrain`` and
+``nemo llm compare`` share (device choice, data, stack fixes, CPU mode, preset run-time parts, callbacks).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from bridge_ext.errors import UserError
+
+if TYPE_CHECKING:
+    from recipes import Recipe
+
+__all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "run_pretrain", "write_loss_curve"]
+
+Device = Literal["auto", "gpu", "cpu"]
+Data = Literal["auto", "text", "mock"]
+
+CPU_PARAM_LIMIT = 2e9  # CPU mode is for proxies; anything bigger would take days or run out of memory
+
+
+@dataclass
+class Prepared:
+    use_cpu: bool
+    data: str  # one line for the console
+    callbacks: list[Any] = field(default_factory=list)
+
+
+def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", quiet: bool = False,
+            telemetry: bool = True) -> Prepared:
+    """Make ``cfg`` ready to train on this machine; nothing here changes a config for GPUs except data.
+
+    ``data``: ``text`` trains on the shipped standard-library corpus (``nemo llm prepare-data``), ``mock`` on
+    Megatron's mock data; ``auto`` is text for proxy recipes whose ``dataset.blend`` is unset, else the config's.
+    """
+    import torch
+
+    from bridge_ext.compat import apply_stack_fixes
+
+    if device == "gpu" and not torch.cuda.is_available():
+        raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if use_cpu and recipe.model.params.total > CPU_PARAM_LIMIT:
+        raise UserError(
+            f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
+            "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
+        )
+    description = f"dataset.blend={cfg.dataset.blend}" if cfg.dataset.blend else "mock data (NullTokenizer)"
+    if data == "text" or (data == "auto" and recipe.model.proxy_of is not None and cfg.dataset.blend is None):
+        from bridge_ext.data import use_text_corpus
+
+        description = use_text_corpus(cfg, quiet=quiet)
+    apply_stack_fixes()  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
+    if use_cpu:
+        from bridge_ext import cpu_mode
+
+        cpu_mode.enable_cpu_mode()
+        cpu_mode.configure_for_cpu(cfg)
+        cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
+    from bridge_ext.muon import MuonTelemetry, apply_preset
+
+    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
+    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if telemetry and recipe.preset.kind == "muon" else []
+    return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks)
+
+
+def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> None:
+    """Megatron Bridge's ``pretrain()`` with its GPT ``forward_step``."""
+    import torch
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    if prepared.use_cpu:
+        from bridge_ext.cpu_mode import init_single_process_distributed
+
+        init_single_process_distributed()  # in-memory store: no port, no launcher needed
+    try:
+        pretrain(cfg, forward_step, callbacks=[*prepared.callbacks, *callbacks])
+    finally:
+        if prepared.use_cpu and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):
+    """A Megatron Bridge callback appending ``{"iteration", "loss", "grad_norm", "time"}`` JSON lines."""
+    import time
+
+    import torch
+    from megatron.bridge.training.callbacks import Callback
+
+    class LossRecorder(Callback):
+        def __init__(self):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.sink = path.open("a", buffering=1)
+            if extra:
+                self.sink.write(json.dumps(extra) + "\n")
+
+        def on_train_step_end(self, context):
+            loss = context.loss_dict.get("lm loss")
+            value = float(loss.item() if torch.is_tensor(loss) else loss) if loss is not None else float("nan")
+            grad_norm = float(context.grad_norm) if context.grad_norm is not None else None
+            # fires before train.py increments train_state.step (megatron/bridge/training/train.py:445, 0.3.1)
+            self.sink.write(json.dumps({"iteration": context.state.train_state.step + 1, "loss": value,
+                                        "grad_norm": grad_norm, "time": time.time()}) + "\n")
+
+        def on_train_end(self, context):
+            self.sink.write(json.dumps({"done": True, "time": time.time()}) + "\n")
+            self.sink.flush()
+
+    return LossRecorder()
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """Iteration -> loss from a recorder's file (a resumed run's lines replace earlier ones)."""
+    losses = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "loss" in record:
+            losses[record["iteration"]] = record["loss"]
+    return dict(sorted(losses.items()))
+
+
+def write_loss_curve(losses_path: Path, png: Path, *, title: str) -> None:
+    """Plot the training loss recorded in ``losses_path`` (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = read_losses(losses_path)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(list(losses), list(losses.values()), linewidth=1.5)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
