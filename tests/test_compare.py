@@ -15,17 +15,10 @@ from bridge_ext.errors import UserError
 
 
 def nemo_llm(argv: list[str]) -> int:
-    """``nemo llm ...`` with this module's commands, with the CLI's contract (one ``error:`` line, exit 2)."""
-    root = cli._Parser(prog="nemo llm")
-    sub = root.add_subparsers(dest="command", required=True, parser_class=cli._Parser)
-    compare.register(sub)
-    data.register(sub)
-    try:
-        args = root.parse_args(argv)
-        return args.func(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """``nemo llm ...`` through the real CLI (one ``error:`` line and exit 2 on bad input)."""
+    from bridge_ext import cli
+
+    return cli.main(["llm", *argv])
 
 
 # ------------------------------------------------------------------------------------------------- metrics
@@ -137,8 +130,6 @@ def test_out_must_be_empty_or_overwritten(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
 
 
-@pytest.mark.skipif("compare" not in cli.OUR_COMMANDS,
-                    reason="`nemo llm compare` is not wired into bridge_ext/cli.py yet")
 def test_nemo_cli_routes_compare(tmp_path, capsys):
     assert cli.main(["llm", "compare", "--recipes", "qwen3_proxy_muon,qwen3_proxy_adamx", "--out",
                      str(tmp_path / "ab")]) == 2

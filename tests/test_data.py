@@ -17,20 +17,10 @@ SAMPLE = 'def f(x):\n    """Return x."""\n\treturn  x  .  ,  # héllo wörld �
 
 
 def nemo_llm(argv: list[str]) -> int:
-    """``nemo llm ...`` with this module's commands, with the CLI's contract (one ``error:`` line, exit 2)."""
-    from bridge_ext import compare
-    from bridge_ext.cli import _Parser
+    """``nemo llm ...`` through the real CLI (one ``error:`` line and exit 2 on bad input)."""
+    from bridge_ext import cli
 
-    root = _Parser(prog="nemo llm")
-    sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    data.register(sub)
-    compare.register(sub)
-    try:
-        args = root.parse_args(argv)
-        return args.func(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return cli.main(["llm", *argv])
 
 
 @pytest.fixture
@@ -97,11 +87,15 @@ def test_tokenizer_training_is_deterministic(tmp_path):
 def test_shipped_tokenizer_is_what_the_training_command_gives(tmp_path):
     record = json.loads((PROXY_TOKENIZER_DIR / "training.json").read_text())
     files = data.corpus_files()
-    if data.corpus_sha256(files) != record["corpus_sha256"]:
-        pytest.skip(f"this standard library differs from the one the tokenizer was trained on "
-                    f"(Python {record['python']})")
     data.train_tokenizer(tmp_path, files)
-    assert (tmp_path / "tokenizer.json").read_bytes() == (PROXY_TOKENIZER_DIR / "tokenizer.json").read_bytes()
+    ours, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, PROXY_TOKENIZER_DIR))
+    if data.corpus_sha256(files) == record["corpus_sha256"]:  # the standard library it was trained on
+        assert (tmp_path / "tokenizer.json").read_bytes() == (PROXY_TOKENIZER_DIR / "tokenizer.json").read_bytes()
+    else:  # another Python release: same recipe, same size and special tokens, mostly the same merges
+        assert len(ours["model"]["vocab"]) == len(shipped["model"]["vocab"]) == 4096
+        assert ours["added_tokens"] == shipped["added_tokens"]
+        common = set(map(str, ours["model"]["merges"])) & set(map(str, shipped["model"]["merges"]))
+        assert len(common) > 0.9 * len(shipped["model"]["merges"])
 
 
 # -------------------------------------------------------------------------------------------------- corpus
