@@ -133,6 +133,12 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
         lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}")
     if getattr(m, "qk_clip", False):
         lines.append(f"qk-clip     threshold {m.qk_clip_threshold}, alpha {m.qk_clip_alpha}")
+    if cfg.dataset.blend:
+        lines.append(f"data        dataset.blend={cfg.dataset.blend}")
+    elif recipe.model.proxy_of:
+        lines.append("data        the standard-library text corpus, prepared when training starts (--data mock: mock)")
+    else:
+        lines.append("data        mock data (NullTokenizer); set dataset.blend and the tokenizer for real data")
     sch = cfg.scheduler
     warmup = sch.lr_warmup_iters or f"{sch.lr_warmup_fraction:.4%} of decay iterations"
     decay = f", final {sch.lr_wsd_decay_iters} iterations {sch.lr_wsd_decay_style}" if sch.lr_decay_style == "WSD" else ""
