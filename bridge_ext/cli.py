@@ -296,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_ours(argv: list[str]) -> bool:
-    if len(argv) < 2 or argv[0] != "llm":
-        return len(argv) == 0 or argv[0] in ("-h", "--help")
+    if not argv or argv[0] in ("-h", "--help") or argv == ["llm"]:
+        return True
+    if argv[0] != "llm":
+        return False
     command = argv[1]
     if command == "pretrain":
         return any(a == "--recipe" or a.startswith("--recipe=") for a in argv[2:])
