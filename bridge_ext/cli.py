@@ -243,7 +243,7 @@ def _train(recipe, cfg, *, device: str, data: str) -> int:
     training.run_pretrain(cfg, prepared, callbacks=callbacks)
     if prepared.use_cpu:
         curve = run_dir / "loss.png"
-        training.write_loss_curve(losses, curve, title=f"{recipe.name} ({prepared.data})")
+        training.write_loss_curve(losses, curve, title=f"{recipe.name}, {recipe.preset.name} preset")
         say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
         say(f"TensorBoard log: {cfg.logger.tensorboard_dir}")
         say(f"loss curve:      {curve} (values: {losses})")
