@@ -133,14 +133,10 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
     cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
     cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
+    from bridge_ext.overrides import set_dotted
+
     for dotted, value in recipe.overrides.items():
-        *parents, leaf = dotted.split(".")
-        target = cfg
-        for part in parents:
-            target = getattr(target, part)
-        if not hasattr(target, leaf):
-            raise AttributeError(f"recipe {recipe.name} overrides unknown field {dotted}")
-        setattr(target, leaf, value)
+        set_dotted(cfg, dotted, value)
     resolve_for_run(cfg, recipe)
     return cfg
 

@@ -31,16 +31,10 @@ def _err(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- recipes
-def _recipe_rows():
+def cmd_recipes(args: argparse.Namespace) -> int:
     from recipes import RECIPES
 
-    for recipe in RECIPES.values():
-        layout = recipe.layout()
-        yield recipe, layout
-
-
-def cmd_recipes(args: argparse.Namespace) -> int:
-    rows = list(_recipe_rows())
+    rows = [(recipe, recipe.layout()) for recipe in RECIPES.values()]
     if args.json:
         print(json.dumps([_info(recipe, None) for recipe, _ in rows], indent=2))
         return 0

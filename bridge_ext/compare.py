@@ -239,7 +239,8 @@ def _worker(spec_path: Path) -> int:
     # the parent's corpus, which it has prepared already
     data.CORPUS_MAX_BYTES = spec.get("corpus_max_bytes", data.CORPUS_MAX_BYTES)
     run = Run(spec["recipe"], spec["overrides"], spec["label"])
-    cfg, recipe, _ = _configure(run, iters=spec["iters"], seed=spec["seed"], data=spec["data"], common=spec["common"],
+    # data="mock" here: training.prepare below sets the run's data (text corpus or mock) exactly once
+    cfg, recipe, _ = _configure(run, iters=spec["iters"], seed=spec["seed"], data="mock", common=spec["common"],
                                 quiet=True)
     prepared = training.prepare(recipe, cfg, device=spec["device"], data=spec["data"], quiet=True, telemetry=False)
     recorder = training.loss_recorder(Path(spec["losses"]), extra={"config": _settings(cfg, recipe)})
@@ -249,28 +250,17 @@ def _worker(spec_path: Path) -> int:
 
 # ------------------------------------------------------------------------------------------------- parent
 def _read_settings(path: Path) -> dict[str, Any]:
-    for line in path.read_text().splitlines() if path.exists() else []:
-        record = json.loads(line)
-        if "config" in record:
-            return record["config"]
-    return {}
+    from bridge_ext.training import read_records
+
+    return next((r["config"] for r in read_records(path) if "config" in r), {})
 
 
 def _read_losses(path: Path) -> tuple[list[float], list[float], bool]:
-    losses, times, done = [], [], False
-    if not path.exists():
-        return losses, times, done
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if record.get("done"):
-            done = True
-        elif "loss" in record:
-            losses.append(record["loss"])
-            times.append(record["time"])
-    return losses, times, done
+    from bridge_ext.training import read_records
+
+    records = read_records(path)
+    steps = [r for r in records if "loss" in r]
+    return [r["loss"] for r in steps], [r["time"] for r in steps], any(r.get("done") for r in records)
 
 
 def _tail(path: Path, lines: int = 1) -> str:

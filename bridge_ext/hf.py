@@ -36,6 +36,4 @@ def load_hf_config(path: str | Path):
     model_type = raw.get("model_type")
     target_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     fields = {k: v for k, v in raw.items() if k not in _NON_ARCHITECTURE_KEYS and k != "model_type"}
-    config = AutoConfig.for_model(target_type, **fields)
-    config.source_model_type = model_type  # kept so an export can write the source's model_type back
-    return config
+    return AutoConfig.for_model(target_type, **fields)

@@ -19,10 +19,21 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file"]
+__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "set_dotted"]
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
+
+
+def set_dotted(cfg: Any, dotted: str, value: Any) -> None:
+    """``cfg.a.b = value`` for ``dotted == "a.b"``; ``AttributeError`` when the field does not exist."""
+    *parents, leaf = dotted.split(".")
+    target = cfg
+    for part in parents:
+        target = getattr(target, part)
+    if not hasattr(target, leaf):
+        raise AttributeError(f"{type(target).__name__} has no field {leaf} ({dotted})")
+    setattr(target, leaf, value)
 
 
 def config_to_yaml(cfg: ConfigContainer) -> str:
@@ -162,9 +173,5 @@ def apply_user_overrides(
     final.pop("__version__", None)
     apply_overrides(cfg, final, excluded)
     for dotted, value in object_values:
-        *parents, leaf = dotted.split(".")
-        target = cfg
-        for part in parents:
-            target = getattr(target, part)
-        setattr(target, leaf, value)
+        set_dotted(cfg, dotted, value)
     return cfg

@@ -14,7 +14,8 @@ from bridge_ext.errors import UserError
 if TYPE_CHECKING:
     from recipes import Recipe
 
-__all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "run_pretrain", "write_loss_curve"]
+__all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "read_losses", "read_records", "run_pretrain",
+           "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]
@@ -113,16 +114,20 @@ def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):
     return LossRecorder()
 
 
-def read_losses(path: Path) -> dict[int, float]:
-    """Iteration -> loss from a recorder's file (a resumed run's lines replace earlier ones)."""
-    losses = {}
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a :func:`loss_recorder` wrote so far (a line still being written is skipped)."""
+    records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
             continue
-        if "loss" in record:
-            losses[record["iteration"]] = record["loss"]
+    return records
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """Iteration -> loss from a recorder's file (a resumed run's lines replace earlier ones)."""
+    losses = {r["iteration"]: r["loss"] for r in read_records(path) if "loss" in r}
     return dict(sorted(losses.items()))
 
 
