@@ -38,14 +38,14 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([_info(recipe, None) for recipe, _ in rows], indent=2))
         return 0
-    header = f"{'recipe':<24} {'model':<17} {'optimizer':<12} {'default layout':<52} other layouts"
+    header = f"{'recipe':<24} {'model':<17} {'optimizer':<16} {'default layout':<52} other layouts"
     print(header)
     for recipe, layout in rows:
         p = layout.parallelism()
         shape = f"{layout.cluster}: TP{p['tp']} PP{p['pp']}" + (f" VP{p['vp']}" if p["vp"] else "")
         shape += (f" EP{p['ep']}" if p["ep"] > 1 else "") + f" DP{p['dp']} GBS{layout.global_batch_size}"
         others = ", ".join(name for name in recipe.layouts if name != recipe.default_layout) or "-"
-        print(f"{recipe.name:<24} {recipe.model.display:<17} {recipe.preset.name:<12} {shape:<52} {others}")
+        print(f"{recipe.name:<24} {recipe.model.display:<17} {recipe.preset.name:<16} {shape:<52} {others}")
     return 0
 
 
