@@ -10,7 +10,7 @@ import copy
 import functools
 from typing import TYPE_CHECKING
 
-from bridge_ext.cpu_mode import install_te_import_guard
+from bridge_ext.te_guard import install_te_import_guard
 from bridge_ext.errors import UserError
 from bridge_ext.hf import load_hf_config
 

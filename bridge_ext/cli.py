@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from bridge_ext.stack import UpstreamDrift
 
 __all__ = ["main"]
 
@@ -312,15 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not _is_ours(argv):
         app = _nemo_run_app()
-        if app is not None:  # NeMo-Run's `nemo` (e.g. `nemo llm pretrain --factory ...`)
-            return app()
+        if app is not None:  # NeMo-Run's `nemo` (e.g. `nemo llm pretrain --factory ...`), argv unchanged
+            return app(args=argv, prog_name="nemo")
         _err(f"`nemo {' '.join(argv[:2])}` is not a command of this package "
              "(`nemo llm pretrain` needs --recipe; NeMo-Run, which serves --factory, is not installed)")
         return 2
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except UserError as exc:
+    except (UserError, UpstreamDrift) as exc:  # bad input, or installed code that a fix does not know
         _err(str(exc))
         return 2
     except KeyboardInterrupt:

@@ -1,173 +1,147 @@
-"""Everything that differs between the Megatron stacks we support, in one place.
+"""Everything that differs between the Megatron stacks we support, in one place, decided by capability.
 
-A *stack* is a pinned set of megatron-bridge + megatron-core (+ emerging-optimizers). Product code asks
-this module instead of testing versions itself.
+Product code asks this module instead of testing versions. Each *stack fix* closes a mismatch inside one
+installed stack that breaks it on any device (GPU included); it applies only where the installed code needs
+it (``needed()`` inspects signatures, call sites and files), is skipped where it does not, and raises
+:class:`~bridge_ext.stack.UpstreamDrift` (one line naming the package and version) when the code has a shape
+the fix does not know. ``nemo llm`` prints that line and exits 2.
+
+Fixes, and the stacks where they apply (tests/test_compat.py checks both ways on every stack in CI):
+
+* ``muon-nesterov-kwarg``: megatron-core 0.16 ``optimizer/muon.py`` (``TensorParallelMuon.__init__``) passes
+  ``use_nesterov=`` to emerging-optimizers' ``OrthogonalizedOptimizer``; 0.3.0 renamed it ``nesterov``.
+  Applies with emerging-optimizers 0.3.0; skipped with 0.1.0 (the NeMo 26.02 container's).
+* ``muon-tp-mode-kwarg``: the same file (``TensorParallelMuon.orthogonalize``) calls
+  ``newton_schulz_tp(..., mode=...)``; emerging-optimizers 0.3.0 renamed it ``tp_mode``. Same stacks.
+* ``prebuilt-dataset-helpers``: megatron-bridge 0.3 ``training/initialize.py`` calls megatron-core's
+  ``datasets/utils.py`` ``compile_helpers()``, which runs ``make`` in a directory where the PyPI wheel ships
+  the prebuilt ``helpers_cpp`` extension but no Makefile -> ``sys.exit(1)``. Applies where the Makefile is
+  absent (every PyPI install); skipped where it exists (a source checkout, the container's build).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from importlib import metadata
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Stack", "SUPPORTED_STACKS", "installed_stack", "version_tuple"]
+from bridge_ext.stack import UpstreamDrift, module_source, optimizer_muon_fields, package_of, signature_params
 
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.16.1rc0"`` -> ``(0, 16, 1)``: numeric release parts only."""
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stack:
-    name: str
-    bridge: tuple[int, int]  # megatron-bridge major.minor
-    core: tuple[int, int]  # megatron-core major.minor
-    # megatron-core's OptimizerConfig Muon fields in this stack (used to validate presets).
-    muon_fields: tuple[str, ...]
-    # MB modules that import transformer_engine unguarded at module level (file, line).
-    unguarded_te_imports: tuple[tuple[str, int], ...]
-
-
-SUPPORTED_STACKS: tuple[Stack, ...] = (
-    Stack(
-        name="nemo-26.02",
-        bridge=(0, 3),
-        core=(0, 16),
-        muon_fields=(
-            "muon_momentum",
-            "muon_split_qkv",
-            "muon_use_nesterov",
-            "muon_scale_mode",
-            "muon_fp32_matmul_prec",
-            "muon_num_ns_steps",
-            "muon_tp_mode",
-            "muon_extra_scale_factor",
-        ),
-        unguarded_te_imports=(
-            ("megatron.bridge.peft.lora_layers", 20),
-            ("megatron.bridge.peft.lora", 21),
-        ),
-    ),
-)
-
-
-class UnsupportedStackError(RuntimeError):
-    pass
+__all__ = [
+    "STACK_FIXES",
+    "StackFix",
+    "apply_stack_fixes",
+    "applied_stack_fixes",
+    "call_keywords",
+    "check_optimizer_fields",
+    "pretrain_template",
+]
 
 
 def pretrain_template():
     """Megatron Bridge's base pre-training ``ConfigContainer`` (every upstream recipe starts from it)."""
-    from bridge_ext.cpu_mode import install_te_import_guard
+    from bridge_ext.te_guard import install_te_import_guard
 
     install_te_import_guard()
-    from megatron.bridge.recipes.common import _pretrain_common  # 0.3.x location
-
-    return _pretrain_common()
+    recipes_common = importlib.import_module("megatron.bridge.recipes.common")
+    if not hasattr(recipes_common, "_pretrain_common"):
+        raise UpstreamDrift(f"{package_of('megatron.bridge')}: megatron.bridge.recipes.common has no "
+                            "_pretrain_common(); bridge_ext.compat.pretrain_template needs updating")
+    return recipes_common._pretrain_common()
 
 
 def check_optimizer_fields(preset: str, fields: dict) -> None:
     """Fail clearly when a preset sets a Muon field the installed megatron-core does not have."""
     from bridge_ext.errors import UserError
 
-    unknown = sorted(k for k in fields if k.startswith("muon_") and k not in installed_stack().muon_fields)
+    unknown = sorted(k for k in fields if k.startswith("muon_") and k not in optimizer_muon_fields())
     if unknown:
-        raise UserError(
-            f"optimizer preset '{preset}' sets {', '.join(unknown)}, which megatron-core "
-            f"{'.'.join(map(str, installed_stack().core))} does not have; pick another preset"
-        )
+        raise UserError(f"optimizer preset '{preset}' sets {', '.join(unknown)}, which "
+                        f"{package_of('megatron.core')} does not have; pick another preset")
 
 
 @cache
-def installed_stack() -> Stack:
-    """The supported stack matching the installed megatron-bridge / megatron-core versions."""
-    try:
-        bridge = version_tuple(metadata.version("megatron-bridge"))[:2]
-        core = version_tuple(metadata.version("megatron-core"))[:2]
-    except metadata.PackageNotFoundError as exc:
-        raise UnsupportedStackError(f"{exc.name} is not installed; run `make install`") from None
-    for stack in SUPPORTED_STACKS:
-        if stack.bridge == bridge and stack.core == core:
-            return stack
-    known = ", ".join(f"{s.name} (bridge {s.bridge}, core {s.core})" for s in SUPPORTED_STACKS)
-    raise UnsupportedStackError(
-        f"megatron-bridge {bridge} + megatron-core {core} is not a supported stack; supported: {known}"
-    )
+def call_keywords(module_name: str, callee: str, *, inside: str | None = None) -> frozenset[str]:
+    """Keyword names passed in calls to ``callee`` (a name or an attribute's last part) in a module's source,
+    optionally only inside the class or function named ``inside``."""
+    tree = ast.parse(module_source(module_name))
+    if inside is not None:
+        scopes = [node for node in ast.walk(tree)
+                  if isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name == inside]
+        tree = ast.Module(body=scopes, type_ignores=[])
+    keywords: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == callee:
+                keywords.update(k.arg for k in node.keywords if k.arg)
+    return frozenset(keywords)
 
 
-# =========================================================================================================
-# Stack fixes: version mismatches inside a pinned stack that break it on any device (GPU included).
-# Not CPU-specific; applied by `apply_stack_fixes()` (bridge_ext.cpu_mode.enable_cpu_mode calls it; a GPU
-# entry point should call it too). Each fix names the upstream line, applies only to the stacks listed,
-# and raises StackFixError when its target no longer looks as expected.
-# =========================================================================================================
-
-import importlib  # noqa: E402
-import inspect  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-
-class StackFixError(RuntimeError):
-    """An upstream target of a stack fix changed; the fix needs updating."""
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StackFix:
     name: str
-    stacks: tuple[str, ...]
-    check: Callable[[], None]  # raises StackFixError when the target drifted
-    apply: Callable[[], None]
+    upstream: str  # the upstream code it works around
     why: str
-
-
-def _source_line(module: Any, number: int) -> str:
-    lines = inspect.getsourcelines(module)[0]
-    return lines[number - 1] if 0 < number <= len(lines) else ""
-
-
-def _expect_line(module_name: str, number: int, text: str) -> None:
-    module = importlib.import_module(module_name)
-    if text not in _source_line(module, number):
-        raise StackFixError(f"{module.__file__}:{number} no longer contains {text!r}")
+    needed: Callable[[], bool]  # inspects the installed code; raises UpstreamDrift on an unknown shape
+    apply: Callable[[], None]
 
 
 # --- megatron-core 0.16 optimizer/muon.py vs emerging-optimizers 0.3.0 ------------------------------------
-# muon.py:103 calls OrthogonalizedOptimizer.__init__(..., use_nesterov=...) but 0.3.0 names it `nesterov`
-# (keyword-only, required) -> TypeError; muon.py:87 calls newton_schulz_tp(..., mode=...) but 0.3.0 names
-# it `tp_mode` -> TypeError on the first step.
+_MUON = "megatron.core.optimizer.muon"
 
 
-def _check_muon_kwargs() -> None:
-    _expect_line("megatron.core.optimizer.muon", 103, "use_nesterov=use_nesterov")
-    _expect_line("megatron.core.optimizer.muon", 87, 'mode="duplicated" if mode == "blockwise" else mode')
+def _renamed_kwarg(caller_passes: frozenset[str], callee: Callable, *, old: str, new: str, what: str) -> bool:
+    """True when the caller passes ``old=`` but the callee now takes ``new=``; False when nothing to fix."""
+    if old not in caller_passes:
+        return False
+    params = signature_params(callee)
+    if old in params:
+        return False
+    if new in params:
+        return True
+    raise UpstreamDrift(f"{package_of(callee.__module__)}: {what} takes neither {old}= nor {new}=, which "
+                        f"{package_of(_MUON)} passes; bridge_ext.compat needs updating for this pair")
+
+
+def _orthogonalized_optimizer() -> Any:
     from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+
+    return OrthogonalizedOptimizer
+
+
+def _newton_schulz_tp() -> Any:
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
-    init = inspect.signature(OrthogonalizedOptimizer.__init__).parameters
-    ns = inspect.signature(newton_schulz_tp).parameters
-    if "nesterov" not in init or "use_nesterov" in init or "tp_mode" not in ns or "mode" in ns:
-        raise StackFixError("emerging_optimizers Muon signatures changed; update the Muon stack fix")
+    return newton_schulz_tp
 
 
-def _apply_muon_kwargs() -> None:
-    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+def _nesterov_needed() -> bool:
+    return _renamed_kwarg(call_keywords(_MUON, "__init__", inside="TensorParallelMuon"),
+                          _orthogonalized_optimizer().__init__, old="use_nesterov", new="nesterov",
+                          what="OrthogonalizedOptimizer.__init__")
 
-    muon = importlib.import_module("megatron.core.optimizer.muon")
-    tp_muon = muon.TensorParallelMuon
-    if tp_muon.__bases__ != (OrthogonalizedOptimizer,):
+
+def _tp_mode_needed() -> bool:
+    return _renamed_kwarg(call_keywords(_MUON, "newton_schulz_tp"), _newton_schulz_tp(), old="mode",
+                          new="tp_mode", what="newton_schulz_tp")
+
+
+def _apply_nesterov_kwarg() -> None:
+    base = _orthogonalized_optimizer()
+    tp_muon = importlib.import_module(_MUON).TensorParallelMuon
+    if tp_muon.__bases__ != (base,):
         if getattr(tp_muon.__bases__[0], "_bridge_ext_fix", False):
             return  # already applied
-        raise StackFixError(f"TensorParallelMuon bases are {tp_muon.__bases__}")
+        raise UpstreamDrift(f"{package_of(_MUON)}: TensorParallelMuon no longer derives from "
+                            "OrthogonalizedOptimizer alone; bridge_ext.compat needs updating")
 
-    class _OrthogonalizedOptimizerKwargs(OrthogonalizedOptimizer):
+    class _OrthogonalizedOptimizerKwargs(base):
         """Accepts megatron-core 0.16's ``use_nesterov=`` for emerging-optimizers 0.3.0's ``nesterov=``."""
 
         _bridge_ext_fix = True
@@ -175,63 +149,89 @@ def _apply_muon_kwargs() -> None:
         def __init__(self, *args: Any, use_nesterov: bool, **kwargs: Any) -> None:
             super().__init__(*args, nesterov=use_nesterov, **kwargs)
 
+    tp_muon.__bases__ = (_OrthogonalizedOptimizerKwargs,)
+
+
+def _apply_tp_mode_kwarg() -> None:
+    muon = importlib.import_module(_MUON)
+    newton_schulz_tp = _newton_schulz_tp()
+    if getattr(muon.newton_schulz_tp, "_bridge_ext_fix", False):
+        return
+
     def newton_schulz_tp_mode(*args: Any, mode: str = "duplicated", **kwargs: Any) -> Any:
         return newton_schulz_tp(*args, tp_mode=mode, **kwargs)
 
-    tp_muon.__bases__ = (_OrthogonalizedOptimizerKwargs,)
+    newton_schulz_tp_mode._bridge_ext_fix = True  # type: ignore[attr-defined]
     muon.newton_schulz_tp = newton_schulz_tp_mode
 
 
-# --- megatron-bridge 0.3 training/initialize.py:139 compile_helpers() ------------------------------------
-# runs `make` in megatron/core/datasets, but the PyPI wheel ships the prebuilt helpers_cpp extension and no
-# Makefile -> "Failed to compile" and sys.exit(1). Use the prebuilt extension (fail if it is missing).
+# --- megatron-bridge 0.3 training/initialize.py -> megatron-core datasets/utils.py compile_helpers() -------
+_INITIALIZE = "megatron.bridge.training.initialize"
 
 
-def _check_compile_helpers() -> None:
-    _expect_line("megatron.bridge.training.initialize", 139, "compile_helpers()")
-    _expect_line("megatron.core.datasets.utils", 25, '["make", "-C"')
+def _compile_helpers_needed() -> bool:
+    if "compile_helpers" not in {node.func.id for node in ast.walk(ast.parse(module_source(_INITIALIZE)))
+                                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}:
+        return False  # upstream no longer builds the helpers at start-up
+    datasets = importlib.import_module("megatron.core.datasets")
+    if (Path(datasets.__file__).parent / "Makefile").exists():
+        return False  # a source tree: `make` works (given a compiler)
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        raise UpstreamDrift(f"{package_of('megatron.core')}: megatron.core.datasets ships neither a Makefile "
+                            "nor the prebuilt helpers_cpp; reinstall megatron-core from its wheel")
+    return True
 
 
 def _apply_compile_helpers() -> None:
-    initialize = importlib.import_module("megatron.bridge.training.initialize")
+    initialize = importlib.import_module(_INITIALIZE)
 
     def use_prebuilt_helpers() -> None:
-        importlib.import_module("megatron.core.datasets.helpers_cpp")  # ImportError if not prebuilt
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
 
     initialize.compile_helpers = use_prebuilt_helpers
 
 
 STACK_FIXES: tuple[StackFix, ...] = (
     StackFix(
-        name="muon-kwargs",
-        stacks=("nemo-26.02",),
-        check=_check_muon_kwargs,
-        apply=_apply_muon_kwargs,
-        why="megatron-core 0.16 Muon passes use_nesterov=/mode=; emerging-optimizers 0.3.0 wants nesterov=/tp_mode=",
+        name="muon-nesterov-kwarg",
+        upstream="megatron/core/optimizer/muon.py TensorParallelMuon.__init__ -> OrthogonalizedOptimizer",
+        why="megatron-core passes use_nesterov=; emerging-optimizers 0.3.0 takes nesterov=",
+        needed=_nesterov_needed,
+        apply=_apply_nesterov_kwarg,
+    ),
+    StackFix(
+        name="muon-tp-mode-kwarg",
+        upstream="megatron/core/optimizer/muon.py TensorParallelMuon.orthogonalize -> newton_schulz_tp",
+        why="megatron-core passes mode=; emerging-optimizers 0.3.0 takes tp_mode=",
+        needed=_tp_mode_needed,
+        apply=_apply_tp_mode_kwarg,
     ),
     StackFix(
         name="prebuilt-dataset-helpers",
-        stacks=("nemo-26.02",),
-        check=_check_compile_helpers,
+        upstream="megatron/bridge/training/initialize.py compile_helpers() -> megatron/core/datasets/utils.py",
+        why="the PyPI wheel has no Makefile for compile_helpers(); its prebuilt helpers_cpp works",
+        needed=_compile_helpers_needed,
         apply=_apply_compile_helpers,
-        why="the wheel has no Makefile for compile_helpers(); its prebuilt helpers_cpp works",
     ),
 )
 
-_stack_fixes_applied = False
+_applied: list[str] | None = None
 
 
-def apply_stack_fixes() -> None:
-    """Apply every stack fix for the installed stack (idempotent). Raises StackFixError on upstream drift."""
-    global _stack_fixes_applied
-    if _stack_fixes_applied:
-        return
-    stack = installed_stack()
-    for fix in STACK_FIXES:
-        if stack.name in fix.stacks:
-            fix.check()
+def apply_stack_fixes() -> tuple[str, ...]:
+    """Apply every fix the installed stack needs (idempotent); returns their names.
+
+    Raises :class:`~bridge_ext.stack.UpstreamDrift` when installed code has a shape no fix knows.
+    """
+    global _applied
+    if _applied is None:
+        needed = [fix for fix in STACK_FIXES if fix.needed()]  # decide all before changing anything
+        for fix in needed:
             fix.apply()
-    _stack_fixes_applied = True
+        _applied = [fix.name for fix in needed]
+    return tuple(_applied)
 
 
-__all__ += ["STACK_FIXES", "StackFix", "StackFixError", "apply_stack_fixes"]
+def applied_stack_fixes() -> tuple[str, ...]:
+    """Names of the fixes applied in this process so far (empty before :func:`apply_stack_fixes`)."""
+    return tuple(_applied or ())

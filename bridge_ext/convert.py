@@ -754,7 +754,7 @@ def _use_cpu() -> bool:
 
 def _prepare_runtime() -> bool:
     """Import guards, CPU mode when no GPU is visible, and DeepSeek SequentialMLP mappings. True on CPU."""
-    from bridge_ext.cpu_mode import install_te_import_guard
+    from bridge_ext.te_guard import install_te_import_guard
 
     install_te_import_guard()
     cpu = _use_cpu()

@@ -1,9 +1,11 @@
 """Workarounds for running Megatron Bridge without a GPU or without Transformer Engine.
 
-Every patch names the upstream file and line it works around and the stacks it was written for; it refuses
-to apply elsewhere (``tests/test_cpu_mode.py`` notices when upstream changes under it). The TE import guard
-is inactive when Transformer Engine is installed; CPU mode is only active once :func:`enable_cpu_mode` ran
-(the CLI calls it for ``--device cpu`` or when no GPU is visible), never on a normal GPU run.
+Every patch names the upstream file it works around and the code it expects there, matched by content (a
+snippet that must still occur in the module, never a line number), so patch releases that move lines keep
+working and a real change stops CPU mode with one line naming the package and version
+(``tests/test_cpu_mode.py`` checks every target on every stack CI runs). CPU mode is only active once
+:func:`enable_cpu_mode` ran (the CLI calls it for ``--device cpu`` or when no GPU is visible), never on a
+normal GPU run. The Transformer Engine import guard lives in ``bridge_ext.te_guard``.
 
 CPU mode (:func:`enable_cpu_mode`) is a development and testing mode: it runs Megatron Bridge's real
 ``pretrain()`` loop (data, forward, backward, optimizer step, clipping, LR schedule, logging, torch_dist
@@ -24,24 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import inspect
-import linecache
 import math
 import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
-from bridge_ext.compat import apply_stack_fixes, installed_stack
+from bridge_ext.compat import apply_stack_fixes
+from bridge_ext.stack import (
+    UpstreamDrift, expect_snippets, have_transformer_engine, missing_snippets, package_of,
+)
+from bridge_ext.te_guard import install_te_import_guard
 
 __all__ = [
-    "MISSING_TE",
-    "CPU_STACKS",
     "SDPACoreAttention",
     "check_patch_targets",
     "validation_without_gpu",
@@ -49,108 +47,15 @@ __all__ = [
     "cpu_layer_spec",
     "cpu_mode_active",
     "enable_cpu_mode",
-    "have_transformer_engine",
     "init_single_process_distributed",
-    "install_te_import_guard",
     "patch_table",
     "reset_megatron_globals",
 ]
-
-_TE_IMPORT = "import transformer_engine.pytorch as te"
-_GUARDED_TE_IMPORT = "from bridge_ext.cpu_mode import MISSING_TE as te"
-
-
-class _MissingTENamespace:
-    """Stands in for ``transformer_engine.pytorch`` in modules that subclass or isinstance-check TE classes.
-
-    Attribute access yields placeholder classes that nothing is an instance of and that cannot be
-    instantiated, so upstream's TE-only code paths stay unreachable.
-    """
-
-    def __init__(self, prefix: str):
-        self._prefix = prefix
-        self._members: dict[str, object] = {}
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name not in self._members:
-            qualname = f"{self._prefix}.{name}"
-            if name[:1].islower():  # submodule, e.g. te.ops
-                self._members[name] = _MissingTENamespace(qualname)
-            else:
-                def _unavailable(cls, *args, **kwargs):
-                    raise ImportError(f"{cls.__qualname__} needs Transformer Engine, which is not installed")
-
-                self._members[name] = type(name, (), {"__new__": _unavailable, "__qualname__": qualname})
-        return self._members[name]
-
-
-MISSING_TE = _MissingTENamespace("transformer_engine.pytorch")
-
-
-@cache
-def have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-class _GuardedSourceLoader(importlib.machinery.SourceFileLoader):
-    """Loads one upstream module with its unguarded TE import wrapped in try/except."""
-
-    def __init__(self, fullname: str, path: str, line: int):
-        super().__init__(fullname, path)
-        self.line = line
-
-    def source_to_code(self, data, path, *, _optimize=-1):  # noqa: D401 - importlib API
-        lines = data.decode("utf-8").splitlines()
-        if lines[self.line - 1].strip() != _TE_IMPORT:
-            raise ImportError(
-                f"{path}:{self.line} is no longer `{_TE_IMPORT}`; bridge_ext.cpu_mode needs updating"
-            )
-        lines[self.line - 1] = _GUARDED_TE_IMPORT
-        return compile("\n".join(lines) + "\n", path, "exec", dont_inherit=True)
-
-    def get_code(self, fullname):  # bypass the bytecode cache: the cached code is the unpatched one
-        return self.source_to_code(self.get_data(self.path), self.path)
-
-
-class _TEImportGuard(importlib.abc.MetaPathFinder):
-    def __init__(self, targets: dict[str, int]):
-        self.targets = targets
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self.targets:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.origin is None:
-            return None
-        spec.loader = _GuardedSourceLoader(fullname, spec.origin, self.targets[fullname])
-        return spec
-
-
-def install_te_import_guard() -> bool:
-    """Let ``import megatron.bridge`` succeed without Transformer Engine.
-
-    Works around ``megatron/bridge/peft/lora_layers.py:20`` and ``megatron/bridge/peft/lora.py:21``
-    (megatron-bridge 0.3.x): ``import transformer_engine.pytorch as te`` at module level, reached from
-    ``megatron.bridge.__init__``. That line becomes ``te = MISSING_TE``; TE stays absent, so every
-    ``HAVE_TE`` guard upstream takes its non-TE path. Returns True when the guard is active.
-    """
-    if have_transformer_engine():
-        return False
-    if any(isinstance(finder, _TEImportGuard) for finder in sys.meta_path):
-        return True
-    targets = dict(installed_stack().unguarded_te_imports)
-    sys.meta_path.insert(0, _TEImportGuard(targets))
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
 # CPU mode
 # ---------------------------------------------------------------------------------------------------------
-
-# Stacks (bridge_ext.compat.Stack.name) the CPU patches below were written against, line numbers included.
-CPU_STACKS: tuple[str, ...] = ("nemo-26.02",)
 
 _active = False
 
@@ -356,56 +261,187 @@ class _TorchOnCPU(types.ModuleType):
 
 _TORCH_PROXIES: dict[bool, _TorchOnCPU] = {}
 
-# Upstream modules whose global ``torch`` becomes a ``_TorchOnCPU``, and the lines (stack "nemo-26.02":
-# megatron-core 0.16.1, megatron-bridge 0.3.1) that need it. Every listed line must still mention
-# ``cuda`` (or ``nccl``); tests/test_cpu_mode.py fails otherwise.
-_TORCH_ON_CPU: dict[str, tuple[int, ...]] = {
+# Upstream modules whose global ``torch`` becomes a ``_TorchOnCPU``, and the CUDA code in each that needs it
+# (megatron-core 0.16.0-0.16.1, megatron-bridge 0.3.0-0.3.1), matched by content: every snippet must still
+# occur in the module (check_patch_targets), and each mentions ``cuda`` or ``nccl``.
+_TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
     # RoPE buffers moved to torch.cuda.current_device()
-    "megatron.core.models.common.embeddings.rotary_pos_embedding": (162, 297),
-    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": (122, 126),
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (
+        'self.inv_freq = self.inv_freq.to(device=torch.cuda.current_device())',
+        'torch.arange(0, dim, 2, dtype=torch.float32, device=torch.cuda.current_device())',
+    ),
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": (
+        'self.inv_freq_extra = self.inv_freq_extra.to(device=torch.cuda.current_device())',
+        'self.inv_freq_inter = self.inv_freq_inter.to(device=torch.cuda.current_device())',
+    ),
     # router weights, expert bias and aux-loss tensors on torch.cuda.current_device()
-    "megatron.core.transformer.moe.router": (90, 92, 169, 178, 192, 198),
-    "megatron.core.transformer.moe.moe_utils": (998,),
+    "megatron.core.transformer.moe.router": (
+        'self.weight.data = self.weight.data.to(device=torch.cuda.current_device())',
+        'self.bias.data = self.bias.data.to(device=torch.cuda.current_device())',
+        'device=torch.cuda.current_device(),',
+        'torch.tensor(0, dtype=torch.float32, device=torch.cuda.current_device()),',
+    ),
+    "megatron.core.transformer.moe.moe_utils": (
+        'tracker[key]["values"] = torch.zeros(num_layers, device="cuda")',
+    ),
     # CUDA RNG tracker (fork/add/seed) -> the CPU generator
-    "megatron.core.tensor_parallel.random": (55, 235, 237, 238, 422),
+    "megatron.core.tensor_parallel.random": (
+        'return torch.cuda.random.get_rng_state(device=device)',
+        'orig_rng_state = torch.cuda.get_rng_state()',
+        'torch.cuda.manual_seed(seed)',
+        'self.states_[name] = torch.cuda.get_rng_state()',
+        'torch.cuda.manual_seed(data_parallel_seed)',
+    ),
     # initialize: asserts CUDA, sets the device and stream, seeds only if device_count() > 0
-    "megatron.bridge.training.initialize": (83, 209, 539, 554, 560, 678, 764, 782),
+    "megatron.bridge.training.initialize": (
+        'assert torch.cuda.is_available(), "Megatron requires CUDA."',
+        'MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=torch.cuda.current_device()))',
+        'device_count = torch.cuda.device_count()',
+        'torch.cuda.set_device(0)',
+        'torch.cuda.set_stream(torch.cuda.Stream())',
+        'if torch.cuda.device_count() > 0:',
+        'torch.cuda.empty_cache()',
+        'torch.cuda.synchronize()',
+    ),
     # default causal / sliding-window masks of the local DotProductAttention
-    "megatron.core.transformer.utils": (35, 40),
+    "megatron.core.transformer.utils": (
+        'return torch.triu(torch.ones(sq, sq, device="cuda"), diagonal=1).bool()',
+        'm = torch.ones(sq, skv, dtype=torch.bool, device="cuda")',
+    ),
     # global memory buffer (local attention), local multi_tensor_l2norm result, nvtx ranges
-    "megatron.core.utils": (631, 1207, 2186, 2215),
+    "megatron.core.utils": (
+        'device=torch.cuda.current_device(),',
+        'l2_cuda = torch.tensor([float(l2_reduced)], dtype=torch.float, device="cuda")',
+        'torch.cuda.nvtx.range_push(msg)',
+        'torch.cuda.nvtx.range_pop()',
+    ),
     # parameters, all-gather buffers and mappings allocated on torch.cuda.current_device()
-    "megatron.core.tensor_parallel.layers": (261, 552, 597, 607, 873, 899, 1197, 1218),
-    "megatron.core.tensor_parallel.mappings": (91, 141, 148, 181, 442),
-    "megatron.core.models.gpt.gpt_model": (415,),
-    "megatron.core.transformer.transformer_layer": (936, 1147),
-    "megatron.core.transformer.attention": (430,),
-    "megatron.core.transformer.moe.experts": (184, 192),
+    "megatron.core.tensor_parallel.layers": (
+        'device=torch.cuda.current_device(),',
+        'dim_size, dtype=input.dtype, device=torch.cuda.current_device(), requires_grad=False',
+    ),
+    "megatron.core.tensor_parallel.mappings": (
+        'output = torch.empty(dim_size, dtype=input_.dtype, device=torch.cuda.current_device())',
+        'device=torch.cuda.current_device(),',
+    ),
+    "megatron.core.models.gpt.gpt_model": (
+        'device=torch.cuda.current_device(),',
+    ),
+    "megatron.core.transformer.transformer_layer": (
+        '.to(torch.cuda.current_device())',
+        'device=torch.cuda.current_device(),',
+    ),
+    "megatron.core.transformer.attention": (
+        'device=torch.cuda.current_device(),',
+    ),
+    "megatron.core.transformer.moe.experts": (
+        'device=torch.cuda.current_device(),',
+    ),
     # DDP grad buffers and their communication stream
-    "megatron.core.distributed.param_and_grad_buffer": (417, 422, 529, 768, 783, 800, 806),
-    "megatron.core.distributed.distributed_data_parallel": (230, 588, 594, 611),
+    "megatron.core.distributed.param_and_grad_buffer": (
+        'stream_context = torch.cuda.stream(self.communication_stream)',
+        'self.communication_stream.wait_stream(torch.cuda.default_stream())',
+        'torch.cuda.default_stream().wait_stream(self.communication_stream)',
+        'tmp_warmup_tensor = torch.zeros([1], device="cuda")',
+        'device=torch.cuda.current_device(),',
+    ),
+    "megatron.core.distributed.distributed_data_parallel": (
+        'communication_stream = torch.cuda.Stream(device=torch.cuda.current_device())',
+        'torch.cuda.synchronize()',
+        'torch.cuda.empty_cache()',
+    ),
     # optimizer: found_inf / scale / overflow buffers, grad-norm and zero-count buffers
-    "megatron.core.optimizer.optimizer": (362, 473, 481, 485, 907, 1141),
-    "megatron.core.optimizer.clip_grads": (90, 103, 115, 174, 207),
+    "megatron.core.optimizer.optimizer": (
+        'torch.cuda.empty_cache()',
+        "self.found_inf = torch.tensor([0.0], dtype=torch.float, device='cuda')",
+        "self._dummy_overflow_buf = torch.tensor([0], dtype=torch.int, device='cuda')",
+        "self._scale_one = torch.tensor([1.0], dtype=torch.float, device='cuda')",
+        "self._scale = torch.tensor([1.0], dtype=torch.float, device='cuda')",
+        'return torch.tensor([1.0], dtype=torch.float32, device=torch.cuda.current_device())',
+    ),
+    "megatron.core.optimizer.clip_grads": (
+        "total_norm_cuda = torch.tensor([float(total_norm)], dtype=torch.float, device='cuda')",
+        "dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device='cuda')",
+        "grad_norm = torch.zeros(1, dtype=torch.float, device='cuda')",
+        "total_num_zeros = torch.zeros(1, dtype=torch.float, device='cuda')",
+    ),
     # schedules, timers, rerun state machine
-    "megatron.core.pipeline_parallel.schedules": (596, 983, 2138),
-    "megatron.core.timers": (152, 165, 303),
-    "megatron.core.rerun_state_machine": (261, 265, 525, 567, 957, 970),
+    "megatron.core.pipeline_parallel.schedules": (
+        'total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',
+    ),
+    "megatron.core.timers": (
+        'torch.cuda.synchronize()',
+        '(world_size, len(names)), dtype=torch.float, device=torch.cuda.current_device()',
+    ),
+    "megatron.core.rerun_state_machine": (
+        "val_tensor: torch.Tensor = torch.tensor(value, dtype=torch.int32, device='cuda')",
+        "val_tensor: torch.Tensor = torch.tensor([value], dtype=torch.int32, device='cuda')",
+        'device: int = torch.cuda.current_device()',
+        '"cuda_rng_state": torch.cuda.get_rng_state(),',
+        'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
+    ),
     # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())`, DDP stream
-    "megatron.bridge.models.model_provider": (170, 171, 235, 583, 708, 709, 710, 724),
+    "megatron.bridge.models.model_provider": (
+        'torch.cuda.set_device(get_local_rank_preinit())',
+        'torch.distributed.init_process_group("nccl")',
+        'model_module.cuda(torch.cuda.current_device())',
+        'ddp_stream = torch.cuda.Stream()',
+        'ddp_stream.wait_stream(torch.cuda.current_stream())',
+        'with torch.cuda.stream(ddp_stream):',
+        'torch.cuda.current_stream().wait_stream(ddp_stream)',
+    ),
     # Megatron Bridge's training loop, batches, logging, checkpoints
-    "megatron.bridge.training.setup": (164,),
-    "megatron.bridge.data.loaders": (270,),
-    "megatron.bridge.training.eval": (193, 218),
-    "megatron.bridge.training.train": (748, 781, 833, 1214),
-    "megatron.bridge.training.checkpointing": (257, 407, 1796, 1808, 1839),
-    "megatron.bridge.training.utils.train_utils": (178, 188, 260, 308, 330, 404, 720, 787),
-    "megatron.bridge.training.utils.batch_utils": (86, 91, 96, 107, 114),
+    "megatron.bridge.training.setup": (
+        'start_time_tensor = torch.tensor([state.start_time], dtype=torch.double, device="cuda")',
+    ),
+    "megatron.bridge.data.loaders": (
+        'flags = torch.tensor([int(do_train), int(do_valid), int(do_test)], dtype=torch.long, device="cuda")',
+    ),
+    "megatron.bridge.training.eval": (
+        'torch.cuda.empty_cache()',
+        '[train_time > state.cfg.train.exit_duration_in_mins], dtype=torch.int, device="cuda"',
+    ),
+    "megatron.bridge.training.train": (
+        'torch.cuda.empty_cache()',
+        'torch.cuda.synchronize()',
+        'done_cuda = torch.tensor([train_time > state.cfg.train.exit_duration_in_mins], dtype=torch.int, device="cuda")',
+    ),
+    "megatron.bridge.training.checkpointing": (
+        'iters_cuda = torch.tensor([iteration], dtype=torch.long, device="cuda")',
+        '"cuda_rng_state": torch.cuda.get_rng_state(),',
+        'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
+        'torch.cuda.set_rng_state(state_dict["cuda_rng_state"])',
+        'torch.cuda.empty_cache()',
+    ),
+    "megatron.bridge.training.utils.train_utils": (
+        'dummy_overflow_buf = torch.tensor([0], dtype=torch.int, device="cuda")',
+        'norm_2 = torch.zeros((1,), dtype=torch.float32, device="cuda")',
+        'total_norm_2 = torch.zeros((1,), dtype=torch.float32, device="cuda")',
+        'stat = torch.tensor([stat], dtype=torch.float32, device=torch.cuda.current_device())',
+        'input = torch.tensor([input], dtype=torch.int, device=torch.cuda.current_device())',
+        'total_loss_dict.get(key, torch.tensor([0.0], dtype=torch.float, device="cuda")) + loss_dict[key]',
+        'total_loss_dict[key] = torch.tensor([0.0], dtype=torch.float, device="cuda")',
+        'memory_stats = torch.cuda.memory_stats()',
+    ),
+    "megatron.bridge.training.utils.batch_utils": (
+        'device=torch.cuda.current_device(),',
+    ),
     # torch_dist checkpoint save: synchronize after staging, success/verification all-reduces
-    "megatron.core.dist_checkpointing.strategies.filesystem_async": (230,),
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver": (204, 252),
-    "megatron.core.dist_checkpointing.strategies.fully_parallel": (272, 281),
-    "megatron.core.dist_checkpointing.strategies.async_utils": (165, 212, 604),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": (
+        'torch.cuda.synchronize()',
+    ),
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
+        "all_results = torch.tensor([local_verify_reuse], dtype=torch.int, device='cuda')",
+        '[int(len(node_failures) > 0)], dtype=torch.int, device=torch.cuda.current_device()',
+    ),
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": (
+        'torch.cuda.synchronize()',
+    ),
+    "megatron.core.dist_checkpointing.strategies.async_utils": (
+        'ten = torch.tensor([is_alive], dtype=torch.int, device=torch.cuda.current_device())',
+        'torch.cuda.synchronize()',
+        'ten = torch.tensor([call_idx], dtype=torch.int, device=torch.cuda.current_device())',
+    ),
 }
 
 # Modules whose ``torch.cuda.is_available()`` answers True: they assert a GPU, then do CPU-safe work.
@@ -419,19 +455,18 @@ _CLAIMS_GPU = frozenset({"megatron.bridge.training.initialize"})
 
 @dataclass(frozen=True)
 class _Patch:
-    """Replace ``module.attr`` (or set it, when ``must_exist`` is False) to work around upstream lines.
+    """Replace ``module.attr`` (or set it, when ``must_exist`` is False) to work around upstream code.
 
-    ``lines`` are (line number, text the line must still contain) in the module's source file.
+    ``snippets``: code that must still occur in the module's source for the patch to be right.
     """
 
     name: str
     module: str
     attr: str
-    lines: tuple[tuple[int, str], ...]
+    snippets: tuple[str, ...]
     why: str
     make: Callable[[Any], Any]  # old value (or None) -> new value
     must_exist: bool = True
-    stacks: tuple[str, ...] = CPU_STACKS
 
 
 def _rng_state_get(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
@@ -493,7 +528,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="jit-warmup",
         module="megatron.bridge.training.initialize",
         attr="_warmup_jit_function",
-        lines=((299, "_warmup_jit_function(model_config, micro_batch_size)"), (707, 'device="cuda"')),
+        snippets=("_warmup_jit_function(model_config, micro_batch_size)", 'device="cuda"'),
         why="warms torch.compile'd bias_swiglu/bias_dropout_add on CUDA tensors; with those fusions off (CPU) "
         "the kernels never run, and compiling them with inductor costs ~3 s per run",
         make=_jit_warmup,
@@ -502,7 +537,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="clip-grads-fp32-check",
         module="megatron.core.optimizer.clip_grads",
         attr="clip_grad_by_total_norm_fp32",
-        lines=((167, "assert param.grad.type() == 'torch.cuda.FloatTensor'"),),
+        snippets=("assert param.grad.type() == 'torch.cuda.FloatTensor'",),
         why="asserts the legacy CUDA tensor type; a CPU fp32 grad is 'torch.FloatTensor'",
         make=lambda old: _clip_grad_by_total_norm_fp32(importlib.import_module("megatron.core.optimizer.clip_grads")),
     ),
@@ -510,7 +545,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="clip-grads-fp32-check (imported name)",
         module="megatron.core.optimizer.optimizer",
         attr="clip_grad_by_total_norm_fp32",
-        lines=((50, "from .clip_grads import clip_grad_by_total_norm_fp32"),),
+        snippets=("from .clip_grads import clip_grad_by_total_norm_fp32",),
         why="optimizer.py binds the function at import (used at optimizer.py:215 and :1324)",
         make=lambda old: _clip_grad_by_total_norm_fp32(importlib.import_module("megatron.core.optimizer.clip_grads")),
     ),
@@ -518,7 +553,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="mla-have-te",
         module="megatron.core.transformer.multi_latent_attention",
         attr="HAVE_TE",
-        lines=((184, "HAVE_TE"), (185, "isinstance(self.linear_proj, TELinear)")),
+        snippets=("HAVE_TE", "isinstance(self.linear_proj, TELinear)"),
         why="without TE, extensions/transformer_engine.py:76 makes `te` a MagicMock, so the import succeeds, "
         "HAVE_TE is True and TELinear is a MagicMock instance: isinstance() raises TypeError",
         make=lambda old: False,
@@ -527,7 +562,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="rng-get",
         module="megatron.core.tensor_parallel.random",
         attr="_get_cuda_rng_state",
-        lines=((55, "torch.cuda.random.get_rng_state"), (66, "torch.cuda.default_generators")),
+        snippets=("torch.cuda.random.get_rng_state", "torch.cuda.default_generators"),
         why="the CUDA RNG state is the CPU generator's state",
         make=lambda old: _rng_state_get,
     ),
@@ -535,7 +570,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="rng-set",
         module="megatron.core.tensor_parallel.random",
         attr="_set_cuda_rng_state",
-        lines=((111, "_lazy_call(cb)"),),
+        snippets=("_lazy_call(cb)",),
         why="torch.cuda._lazy_call queues the callback forever when CUDA never initializes",
         make=lambda old: _rng_state_set,
     ),
@@ -543,7 +578,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="moe-te-general-gemm",
         module="megatron.core.transformer.moe.moe_utils",
         attr="te_general_gemm",
-        lines=((1192, "te_general_gemm is not None"), (1225, "te_general_gemm is not None")),
+        snippets=("te_general_gemm is not None",),
         why="without TE the name is never bound (only imported in a try block): NameError in every router",
         make=lambda old: None,
         must_exist=False,
@@ -552,7 +587,7 @@ _PATCHES: tuple[_Patch, ...] = (
         name="mla-core-attention",
         module="megatron.core.transformer.multi_latent_attention",
         attr="build_module",
-        lines=((155, "self.core_attention = build_module("), (162, "k_channels=self.q_head_dim")),
+        snippets=("self.core_attention = build_module(", "k_channels=self.q_head_dim"),
         why="local DotProductAttention takes no k_channels/v_channels; MLA gets an SDPA core attention",
         make=_mla_build_module,
     ),
@@ -560,85 +595,71 @@ _PATCHES: tuple[_Patch, ...] = (
 
 
 # Callers of ``Tensor.cuda()`` / ``Module.cuda()`` on the training path (see :func:`_patch_tensor_cuda`).
-_TENSOR_CUDA_CALLERS: dict[str, tuple[int, ...]] = {
-    "megatron.bridge.training.gpt_step": (131,),  # batch[k].cuda(non_blocking=True)
-    "megatron.bridge.training.utils.batch_utils": (53, 54, 55, 56, 57),
-    "megatron.bridge.models.model_provider": (583,),  # model_module.cuda(torch.cuda.current_device())
+_TENSOR_CUDA_CALLERS: dict[str, tuple[str, ...]] = {
+    "megatron.bridge.training.gpt_step": (
+        '_batch_required_keys[key] = val.cuda(non_blocking=True) if val is not None else None',
+    ),
+    "megatron.bridge.training.utils.batch_utils": (
+        '"tokens": data["tokens"].cuda(non_blocking=True),',
+        '"labels": data["labels"].cuda(non_blocking=True),',
+        '"loss_mask": data["loss_mask"].cuda(non_blocking=True),',
+        '"attention_mask": None if "attention_mask" not in data else data["attention_mask"].cuda(non_blocking=True),',
+        '"position_ids": data["position_ids"].cuda(non_blocking=True),',
+    ),
+    "megatron.bridge.models.model_provider": (
+        'model_module.cuda(torch.cuda.current_device())',
+    ),
 }
 
 
 def patch_table() -> list[dict[str, Any]]:
-    """Every CPU-mode patch as ``{"target", "lines", "why"}`` (for docs and ``--device cpu`` logs)."""
+    """Every CPU-mode patch as ``{"target", "code", "why"}`` (for docs and ``--device cpu`` logs)."""
     rows = [
-        {"target": f"{module}.torch", "lines": list(lines), "why": "torch.cuda / device='cuda' -> CPU"}
-        for module, lines in _TORCH_ON_CPU.items()
+        {"target": f"{module}.torch", "code": list(snippets), "why": "torch.cuda / device='cuda' -> CPU"}
+        for module, snippets in _TORCH_ON_CPU.items()
     ]
-    rows += [{"target": f"{p.module}.{p.attr}", "lines": [n for n, _ in p.lines], "why": p.why} for p in _PATCHES]
+    rows += [{"target": f"{p.module}.{p.attr}", "code": list(p.snippets), "why": p.why} for p in _PATCHES]
     rows += [
-        {"target": "torch.Tensor.cuda (process-wide)", "lines": [f"{m}:{n}" for m, ns in _TENSOR_CUDA_CALLERS.items()
-                                                                for n in ns],
+        {"target": "torch.Tensor.cuda (process-wide)",
+         "code": [f"{m}: {c}" for m, snippets in _TENSOR_CUDA_CALLERS.items() for c in snippets],
          "why": "`.cuda()` returns the tensor itself; methods cannot be scoped to a module"}
     ]
     return rows
 
 
-def _source_lines(module: types.ModuleType) -> list[str]:
-    path = inspect.getsourcefile(module)
-    if path is None:
-        raise RuntimeError(f"no source for {module.__name__}")
-    return linecache.getlines(path)
-
-
-def _line(module: types.ModuleType, number: int) -> str:
-    lines = _source_lines(module)
-    return lines[number - 1] if 0 < number <= len(lines) else ""
-
-
 def check_patch_targets() -> list[str]:
-    """What no longer matches upstream: one message per drifted target; empty when all patches fit."""
+    """What no longer matches upstream: one line per drifted target; empty when all patches fit."""
+    targets = [(module, snippets, "CUDA redirect") for module, snippets in _TORCH_ON_CPU.items()]
+    targets += [(patch.module, patch.snippets, patch.name) for patch in _PATCHES]
+    targets += [(module, snippets, "Tensor.cuda caller") for module, snippets in _TENSOR_CUDA_CALLERS.items()]
     problems: list[str] = []
-    for module_name, numbers in _TORCH_ON_CPU.items():
+    for module_name, snippets, what in targets:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            problems.append(f"{module_name}: cannot import ({exc})")
+            problems.append(f"{package_of(module_name)}: cannot import {module_name} ({exc})")
             continue
-        current = module.__dict__.get("torch")
-        if current is not _torch() and not isinstance(current, _TorchOnCPU):
-            problems.append(f"{module_name}: global `torch` is {current!r}, not the torch module")
-        for number in numbers:
-            text = _line(module, number)
-            if "cuda" not in text and "nccl" not in text:
-                problems.append(f"{module.__file__}:{number} no longer mentions cuda or nccl: {text.strip()!r}")
+        problems += [f"{package_of(module_name)}: {module_name} no longer contains {code!r} ({what})"
+                     for code in missing_snippets(module_name, snippets)]
+        if what == "CUDA redirect":
+            current = module.__dict__.get("torch")
+            if current is not _torch() and not isinstance(current, _TorchOnCPU):
+                problems.append(f"{package_of(module_name)}: {module_name}'s global `torch` is {current!r}")
     for patch in _PATCHES:
-        try:
-            module = importlib.import_module(patch.module)
-        except ImportError as exc:
-            problems.append(f"{patch.module}: cannot import ({exc})")
-            continue
-        if patch.must_exist and not hasattr(module, patch.attr):
-            problems.append(f"{patch.module}.{patch.attr} is gone")
-        for number, text in patch.lines:
-            if text not in _line(module, number):
-                problems.append(f"{module.__file__}:{number} no longer contains {text!r} ({patch.name})")
-    for module_name, numbers in _TENSOR_CUDA_CALLERS.items():
-        module = importlib.import_module(module_name)
-        for number in numbers:
-            text = _line(module, number)
-            if ".cuda(" not in text:
-                problems.append(f"{module.__file__}:{number} no longer calls .cuda(): {text.strip()!r}")
+        module = sys.modules.get(patch.module)
+        if module is not None and patch.must_exist and not hasattr(module, patch.attr):
+            problems.append(f"{package_of(patch.module)}: {patch.module}.{patch.attr} is gone ({patch.name})")
     return problems
 
 
-def _apply_patches(stack: str) -> None:
+def _apply_patches() -> None:
     for module_name in _TORCH_ON_CPU:
         claims_gpu = module_name in _CLAIMS_GPU
         proxy = _TORCH_PROXIES.setdefault(claims_gpu, _TorchOnCPU(claims_gpu))
         importlib.import_module(module_name).torch = proxy
     for patch in _PATCHES:
-        if stack in patch.stacks:
-            module = importlib.import_module(patch.module)
-            setattr(module, patch.attr, patch.make(getattr(module, patch.attr, None)))
+        module = importlib.import_module(patch.module)
+        setattr(module, patch.attr, patch.make(getattr(module, patch.attr, None)))
     _patch_tensor_cuda()
 
 
@@ -663,23 +684,19 @@ def _patch_tensor_cuda() -> None:
 
 def enable_cpu_mode() -> None:
     """Make Megatron Bridge's model construction, forward/backward, optimizers, training loop and torch_dist
-    checkpoints run on the CPU in one process. Idempotent; refuses stacks the patches were not written for.
+    checkpoints run on the CPU in one process. Idempotent. Raises :class:`~bridge_ext.stack.UpstreamDrift`
+    (one line per drifted target, nothing patched) when installed code no longer looks as a patch expects.
     """
     global _active
     if _active:
         return
-    stack = installed_stack()
-    if stack.name not in CPU_STACKS:
-        raise RuntimeError(
-            f"CPU mode was written for stacks {', '.join(CPU_STACKS)}; the installed stack is {stack.name}. "
-            "Update bridge_ext/cpu_mode.py (and its tests) for this stack first."
-        )
     install_te_import_guard()
     apply_stack_fixes()
     problems = check_patch_targets()
     if problems:
-        raise RuntimeError("CPU mode patches no longer match upstream:\n  " + "\n  ".join(problems))
-    _apply_patches(stack.name)
+        more = f" (and {len(problems) - 1} more; tests/test_cpu_mode.py lists them)" if len(problems) > 1 else ""
+        raise UpstreamDrift(f"CPU mode does not fit the installed code: {problems[0]}{more}")
+    _apply_patches()
     _active = True
 
 
@@ -954,8 +971,8 @@ _TE_KERNEL_FLAGS = ("moe_permute_fusion",)
 def validation_without_gpu(cfg: Any):
     """Run ``ConfigContainer.validate()`` for a GPU target on a machine that lacks the GPU or TE.
 
-    - ``megatron/bridge/training/config.py:1608`` (megatron-bridge 0.3.1) ends ``validate()`` with
-      ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py:75``), which reads
+    - ``megatron/bridge/training/config.py``: ``ConfigContainer.validate()`` ends with
+      ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py``), which reads
       ``torch.cuda.get_device_properties(0)``: skipped when no GPU is visible.
     - TE-kernel flags (``_TE_KERNEL_FLAGS``) are turned off on ``cfg`` (a copy being validated) when TE is
       absent: their check says whether TE is installed here, nothing about the target.
@@ -964,8 +981,8 @@ def validation_without_gpu(cfg: Any):
     import torch
     from megatron.bridge.training import config as mb_config
 
-    if installed_stack().name not in CPU_STACKS:
-        raise RuntimeError(f"validation_without_gpu was written for {CPU_STACKS}, not {installed_stack().name}")
+    expect_snippets("megatron.bridge.training.config", ("validate_flex_dispatcher_backend(",),
+                    fix="validation_without_gpu")
     if not have_transformer_engine():
         for flag in _TE_KERNEL_FLAGS:
             setattr(cfg.model, flag, False)

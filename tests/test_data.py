@@ -61,7 +61,7 @@ def test_tokenizer_round_trips_with_transformers_offline(monkeypatch):
 
 
 def test_tokenizer_loads_through_megatron_bridge():
-    from bridge_ext.cpu_mode import install_te_import_guard
+    from bridge_ext.te_guard import install_te_import_guard
 
     install_te_import_guard()
     from megatron.bridge.training.tokenizers.config import TokenizerConfig

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from bridge_ext.compat import installed_stack
+from bridge_ext.stack import optimizer_muon_fields
 from recipes import get_recipe
 from recipes.optimizers import KIMI_K2_SCHEDULE, PRESETS
 
@@ -50,7 +50,7 @@ def test_kimi_k2_fields_are_pinned():
 @pytest.mark.parametrize("name", MUON_PRESETS)
 def test_every_installed_muon_field_is_set(name):
     fields = PRESETS[name].muon_fields
-    assert set(fields) == set(installed_stack().muon_fields), set(installed_stack().muon_fields) ^ set(fields)
+    assert set(fields) == set(optimizer_muon_fields()), set(optimizer_muon_fields()) ^ set(fields)
 
 
 @pytest.mark.parametrize("name", MUON_PRESETS)

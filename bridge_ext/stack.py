@@ -1,0 +1,105 @@
+"""What is installed and what it can do: the ground floor that the stack fixes (``compat``), the Transformer
+Engine import guard (``te_guard``) and CPU mode (``cpu_mode``) all read. Imports nothing of ours but errors.
+
+Nothing here tests version numbers: versions only name the package in messages. Decisions are made on what
+the installed code offers: a dataclass field, a keyword in a signature, a snippet in a function's source.
+Upstream code is matched by *content* (a snippet that must still occur in a module), never by line number,
+so a patch release that moves lines keeps working and a real change stops with one clear line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from functools import cache
+from importlib import metadata
+from typing import Any
+
+__all__ = [
+    "PACKAGES",
+    "UpstreamDrift",
+    "describe_stack",
+    "expect_snippets",
+    "have_transformer_engine",
+    "missing_snippets",
+    "module_source",
+    "optimizer_muon_fields",
+    "package_of",
+    "signature_params",
+    "version_of",
+]
+
+# The distributions that make a Megatron stack, in the order messages list them.
+PACKAGES = ("megatron-bridge", "megatron-core", "emerging-optimizers", "torch", "transformers", "nemo-run")
+
+# Top-level import name -> distribution name, for messages about a module.
+_DISTRIBUTION_OF = {"megatron.bridge": "megatron-bridge", "megatron.core": "megatron-core",
+                    "emerging_optimizers": "emerging-optimizers", "torch": "torch",
+                    "transformers": "transformers", "nemo_run": "nemo-run"}
+
+
+class UpstreamDrift(RuntimeError):
+    """Upstream code no longer looks as a fix or patch expects. The message is one line naming the package,
+    its version and what changed; the fix (ours) needs updating for that release."""
+
+
+@cache
+def version_of(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def package_of(module_name: str) -> str:
+    """``"megatron.core.optimizer.muon"`` -> ``"megatron-core 0.16.0"`` (for messages)."""
+    for prefix, distribution in _DISTRIBUTION_OF.items():
+        if module_name == prefix or module_name.startswith(prefix + "."):
+            return f"{distribution} {version_of(distribution) or '(not installed)'}"
+    return module_name.split(".")[0]
+
+
+def describe_stack() -> str:
+    """One line: the installed versions of the stack's packages."""
+    return ", ".join(f"{name} {version_of(name)}" for name in PACKAGES if version_of(name))
+
+
+@cache
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@cache
+def module_source(module_name: str) -> str:
+    """The source text of an installed module (read from its file; the module is imported)."""
+    return inspect.getsource(importlib.import_module(module_name))
+
+
+def missing_snippets(module_name: str, snippets: tuple[str, ...]) -> list[str]:
+    """The snippets that no longer occur in the module's source (whitespace inside a line is compared as is)."""
+    source = module_source(module_name)
+    return [snippet for snippet in snippets if snippet not in source]
+
+
+def expect_snippets(module_name: str, snippets: tuple[str, ...], *, fix: str) -> None:
+    """Raise :class:`UpstreamDrift` when any snippet is gone from the module (``fix`` names what depends on it)."""
+    missing = missing_snippets(module_name, snippets)
+    if missing:
+        raise UpstreamDrift(f"{package_of(module_name)}: {module_name} no longer contains {missing[0]!r}; "
+                            f"bridge_ext's '{fix}' needs updating for this release")
+
+
+def signature_params(function: Any) -> frozenset[str]:
+    """Names of a callable's parameters."""
+    return frozenset(inspect.signature(function).parameters)
+
+
+@cache
+def optimizer_muon_fields() -> tuple[str, ...]:
+    """The ``muon_*`` fields of the installed megatron-core's ``OptimizerConfig``."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    return tuple(f.name for f in dataclasses.fields(OptimizerConfig) if f.name.startswith("muon_"))
