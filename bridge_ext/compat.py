@@ -43,15 +43,60 @@ __all__ = [
 
 
 def pretrain_template():
-    """Megatron Bridge's base pre-training ``ConfigContainer`` (every upstream recipe starts from it)."""
+    """Megatron Bridge's base pre-training ``ConfigContainer`` (every upstream recipe starts from it).
+
+    megatron-bridge 0.3.1 has it as ``recipes/common.py`` ``_pretrain_common()``; 0.3.0 (the NeMo 26.02
+    container's) predates that module, and each of its recipes builds the same container inline: there the
+    same template is built from Megatron Bridge's own config classes (:func:`_pretrain_common_inline`).
+    """
     from bridge_ext.te_guard import install_te_import_guard
 
     install_te_import_guard()
-    recipes_common = importlib.import_module("megatron.bridge.recipes.common")
-    if not hasattr(recipes_common, "_pretrain_common"):
-        raise UpstreamDrift(f"{package_of('megatron.bridge')}: megatron.bridge.recipes.common has no "
-                            "_pretrain_common(); bridge_ext.compat.pretrain_template needs updating")
-    return recipes_common._pretrain_common()
+    if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:
+        recipes_common = importlib.import_module("megatron.bridge.recipes.common")
+        if hasattr(recipes_common, "_pretrain_common"):
+            return recipes_common._pretrain_common()
+    return _pretrain_common_inline()
+
+
+def _pretrain_common_inline():
+    """``_pretrain_common()`` of megatron-bridge 0.3.1, for releases without ``recipes/common.py``.
+
+    Values as upstream's, except the output directories, which every recipe of ours replaces anyway.
+    """
+    from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, GPTDatasetConfig,
+        LoggerConfig, RNGConfig, TokenizerConfig, TrainingConfig,
+    )
+
+    optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
+        lr_warmup_iters=500, lr_decay_iters=None, max_lr=3e-4, min_lr=3e-5)
+    return ConfigContainer(
+        model=None,  # type: ignore[arg-type]
+        train=TrainingConfig(train_iters=300000, eval_interval=500, eval_iters=32, global_batch_size=32,
+                             micro_batch_size=2, manual_gc=True, manual_gc_interval=100, manual_gc_eval=100),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ddp=DistributedDataParallelConfig(
+            check_for_nan_in_grad=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+            overlap_param_gather=True, average_in_collective=True,
+            data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True),
+        dataset=GPTDatasetConfig(
+            random_seed=1234, reset_attention_mask=False, reset_position_ids=False, eod_mask_loss=False,
+            seq_length=4096, num_dataset_builder_threads=1, blend=None, blend_per_split=None, split="9999,8,2",
+            data_sharding=True, dataloader_type="single", skip_getting_attention_mask_from_dataset=True),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir="nemo_experiments/default/tb_logs",
+                            log_timers_to_tensorboard=True),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None),
+        checkpoint=CheckpointConfig(save_interval=500, save="nemo_experiments/default/checkpoints",
+                                    load="nemo_experiments/default/checkpoints", ckpt_format="torch_dist",
+                                    fully_parallel_save=True),
+        rng=RNGConfig(seed=1234),
+        dist=DistributedInitConfig(),
+        comm_overlap=None,
+        mixed_precision="bf16_mixed",
+    )
 
 
 def check_optimizer_fields(preset: str, fields: dict) -> None:
