@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from bridge_ext.te_guard import install_te_import_guard
 from bridge_ext.errors import UserError
-from bridge_ext.hf import load_hf_config
+from bridge_ext.hf import apply_config_stated_fields, load_hf_config
 
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
@@ -48,7 +48,7 @@ def model_provider(recipe: Recipe):
 
     hf_config = load_hf_config(recipe.model.config_dir)
     provider = AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
-    _config_wins(provider, hf_config)
+    apply_config_stated_fields(provider, hf_config)
     spec = provider.transformer_layer_spec
     if isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
         # megatron/bridge/models/deepseek/deepseek_v3_bridge.py:51 bakes the *building* machine's TE
@@ -64,31 +64,6 @@ def model_provider(recipe: Recipe):
         # provider leaves it off; the GPU target has TE (CPU mode turns it off).
         provider.moe_permute_fusion = True
     return provider
-
-
-def config_stated_fields(hf_config) -> dict:
-    """Provider fields that the HF config states and that some Megatron Bridge release drops or hard-codes.
-
-    megatron-bridge 0.3.0's DeepSeek-V3 bridge leaves YaRN's ``beta_fast``/``beta_slow`` at its defaults
-    (32/1; Kimi K2's config says 1/1); 0.3.1's hard-codes ``moe_aux_loss_coeff`` 1e-4 (Kimi K2's config
-    says ``aux_loss_alpha`` 0.001, as Megatron Bridge's own Kimi K2 provider). The shipped config wins, so
-    the model is the same on every stack.
-    """
-    stated = {}
-    rope = getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("type", rope.get("rope_type")) == "yarn":
-        names = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
-                 "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
-        stated.update({ours: rope[theirs] for theirs, ours in names.items() if theirs in rope})
-    if getattr(hf_config, "aux_loss_alpha", None) is not None:
-        stated["moe_aux_loss_coeff"] = hf_config.aux_loss_alpha
-    return stated
-
-
-def _config_wins(provider, hf_config) -> None:
-    for name, value in config_stated_fields(hf_config).items():
-        if hasattr(provider, name):
-            setattr(provider, name, value)
 
 
 def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:

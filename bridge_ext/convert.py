@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from bridge_ext.hf import apply_config_stated_fields
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -960,6 +961,8 @@ def _bridge_for(config: Any, pretrained: Any | None = None) -> Any:
 
 def _build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> list[Any]:
     provider = bridge.to_megatron_provider(load_weights=False)
+    hf = bridge.hf_pretrained  # a PreTrainedCausalLM, or a bare transformers config
+    apply_config_stated_fields(provider, getattr(hf, "config", hf))
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.expert_model_parallel_size = ep

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_TYPE_ALIASES", "read_config_json", "load_hf_config"]
+__all__ = ["MODEL_TYPE_ALIASES", "apply_config_stated_fields", "read_config_json", "load_hf_config"]
 
 # model_type in a config.json -> the transformers model_type that implements it.
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -37,3 +37,27 @@ def load_hf_config(path: str | Path):
     target_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     fields = {k: v for k, v in raw.items() if k not in _NON_ARCHITECTURE_KEYS and k != "model_type"}
     return AutoConfig.for_model(target_type, **fields)
+
+
+# YaRN keys of an HF ``rope_scaling`` -> Megatron's MLA provider fields.
+_YARN_FIELDS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
+                "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
+
+
+def apply_config_stated_fields(provider: Any, hf_config: Any) -> None:
+    """Set provider fields that the HF config states but some Megatron Bridge release drops or hard-codes.
+
+    megatron-bridge 0.3.0's DeepSeek-V3 bridge leaves YaRN's ``beta_fast``/``beta_slow`` at its defaults
+    (32/1; Kimi K2's config says 1/1); 0.3.1's hard-codes ``moe_aux_loss_coeff`` 1e-4 (Kimi K2's config
+    says ``aux_loss_alpha`` 0.001, as Megatron Bridge's own Kimi K2 provider does). The config wins, so
+    the model is the same on every stack (recipes and conversion alike).
+    """
+    stated = {}
+    rope = getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("type", rope.get("rope_type")) == "yarn":
+        stated.update({ours: rope[theirs] for theirs, ours in _YARN_FIELDS.items() if theirs in rope})
+    if getattr(hf_config, "aux_loss_alpha", None) is not None:
+        stated["moe_aux_loss_coeff"] = hf_config.aux_loss_alpha
+    for name, value in stated.items():
+        if hasattr(provider, name):
+            setattr(provider, name, value)
