@@ -75,7 +75,7 @@ yaml: generate
 lock: install  # re-resolve the curated lists and rewrite the lock (needs network)
 	$(PY) -m pip install -r requirements/stack-$(STACK).txt
 	$(PY) -m pip install --no-deps --find-links $(WHEELS) -r requirements/stack-$(STACK)-nodeps.txt
-	{ sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --all --exclude-editable --exclude pip; } > $(LOCK).new
+	{ grep '^#' $(LOCK); $(PY) -m pip freeze --all --exclude-editable --exclude pip; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
 clean:

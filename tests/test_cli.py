@@ -77,24 +77,60 @@ def test_unknown_command_without_nemo_run(capsys, monkeypatch):
     assert code == 2 and "needs --recipe" in err and "NeMo-Run" in err
 
 
-def test_everything_else_passes_through_to_nemo_run(tmp_path, monkeypatch):
-    """With NeMo-Run installed, `nemo` commands this package does not own reach NeMo-Run's own app."""
-    fake = tmp_path / "nemo_run"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("")
-    (fake / "__main__.py").write_text(
-        "import sys, json, pathlib\n"
-        "def app():\n"
-        "    pathlib.Path(sys.argv[0]).with_name('argv.json').write_text(json.dumps(sys.argv[1:]))\n"
-        "    return 0\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    argv = ["llm", "pretrain", "--factory", "llama3_8b", "trainer.max_steps=5"]
-    # `nemo` here is our console script; run it with argv[0] in tmp_path so the fake app writes there.
-    script = tmp_path / "nemo"
-    script.write_text(Path(NEMO).read_text())
-    subprocess.run([sys.executable, str(script), *argv], check=True, env=env)
-    assert json.loads((tmp_path / "argv.json").read_text()) == argv
+# A NeMo-Run command group registered the way NeMo 2.7 registers `llm` (entry-point group `nemo_run.cli`),
+# with an entrypoint and a factory: what `nemo llm pretrain --factory ...` reaches in the NeMo container.
+_NEMO_RUN_LLM = """
+import json, os
+import nemo_run as run
+
+
+@run.cli.entrypoint(namespace="llm", skip_confirmation=True)
+def pretrain(max_steps: int = 1, name: str = "default"):
+    with open(os.environ["LLM_PRETRAIN_OUT"], "w") as handle:
+        json.dump({"max_steps": max_steps, "name": name}, handle)
+
+
+@run.cli.factory(target=pretrain)
+def tiny() -> run.Partial:
+    return run.Partial(pretrain, max_steps=7, name="from-factory")
+"""
+
+
+@pytest.fixture
+def nemo_run_llm_group(tmp_path):
+    """Environment in which NeMo-Run discovers an `llm` group (a package plus its dist-info on PYTHONPATH)."""
+    site = tmp_path / "site"
+    (site / "llm_group").mkdir(parents=True)
+    (site / "llm_group" / "__init__.py").write_text(_NEMO_RUN_LLM)
+    info = site / "llm_group-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-group\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[nemo_run.cli]\nllm = llm_group\n")
+    return {**os.environ, "PYTHONPATH": str(site), "LLM_PRETRAIN_OUT": str(tmp_path / "out.json")}
+
+
+@pytest.mark.slow
+def test_nemo_run_factory_command_reaches_nemo_run_unchanged(nemo_run_llm_group, tmp_path):
+    """`nemo llm pretrain --factory NAME key=value` (no --recipe) runs NeMo-Run's own CLI: the factory's
+    values, then the override, as NeMo-Run resolves them."""
+    result = subprocess.run([NEMO, "llm", "pretrain", "--factory", "tiny", "name=override", "--yes"],
+                            capture_output=True, text=True, env=nemo_run_llm_group, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "out.json").read_text()) == {"max_steps": 7, "name": "override"}
+
+
+@pytest.mark.slow
+def test_nemo_run_commands_and_help_come_from_nemo_run(nemo_run_llm_group):
+    from nemo_run.cli import experiment
+
+    result = subprocess.run([NEMO, "experiment", "--help"], capture_output=True, text=True,
+                            env={**nemo_run_llm_group, "COLUMNS": "200"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    commands = [command.name or command.callback.__name__ for command in experiment.create().registered_commands]
+    assert commands and all(name in result.stdout for name in commands), (commands, result.stdout)
+    # our own commands stay ours, even with NeMo-Run's `llm` group installed
+    ours = subprocess.run([NEMO, "llm", "recipes"], capture_output=True, text=True, env=nemo_run_llm_group)
+    assert ours.returncode == 0 and ours.stdout.startswith("recipe ")
 
 
 @pytest.mark.slow
