@@ -13,7 +13,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from bridge_ext.build import build_config, validate_for_layout
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
-from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, generating_stack, render_all, render_cards
+from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
+from tests.stack_shapes import config_differences, stack_differences
 
 pytestmark = pytest.mark.slow
 
@@ -69,62 +70,13 @@ def test_kimi_k2_model_matches_its_hf_config():
     assert model.transformer_layer_spec.keywords["use_transformer_engine"] is True  # GPU target, any builder
 
 
-# Where Megatron Bridge releases differ in the *shape* of the same config (docs/stacks.md), each with why.
-_EQUIVALENT_CLASSES = [  # the same config under another class name
-    {"megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig",
-     "megatron.bridge.training.config.DistributedDataParallelConfig"},  # 0.3.0: MB's deferred-finalize subclass
-    {"megatron.bridge.models.mla_provider.MLAModelProvider",  # 0.3.1: generic providers; 0.3.0: per model
-     "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV3ModelProvider"},
-    {"megatron.bridge.models.gpt_provider.GPTModelProvider", "megatron.bridge.models.qwen.qwen_provider.Qwen3ModelProvider",
-     "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider"},
-]
-_ONE_RELEASE_ONLY = {  # fields only one release's classes have
-    "model.generation_config",  # 0.3.0 providers carry HF's generation config (inference only)
-    "model.max_position_embeddings",  # 0.3.0 per-model providers
-    "model.rope_scaling", "model.rope_scaling_factor", "model.rotary_scaling_factor",  # 0.3.1 GPTModelProvider
-}
-_SAME_MEANING = {  # different values, same model
-    "model.num_query_groups": {None, 64},  # MLA: None means one group per head (64) after finalize()
-    "model.mtp_loss_scaling_factor": {None, 0.1},  # unused: no multi-token-prediction layers
-}
-
-
-def _flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: tree}
-
-
-def stack_differences(shipped: dict, built: dict) -> list[str]:
-    """Field differences between two resolved configs that are not release shapes listed above."""
-    a, b = _flatten(shipped), _flatten(built)
-    problems = []
-    for key in sorted(set(a) | set(b)):
-        if any(key == f or key.startswith(f + ".") for f in _ONE_RELEASE_ONLY):
-            continue
-        if key not in a or key not in b:
-            problems.append(f"{key} only in {'shipped' if key in a else 'built'}")
-        elif a[key] != b[key]:
-            if key.endswith("_target_") and any({a[key], b[key]} <= group for group in _EQUIVALENT_CLASSES):
-                continue
-            if key in _SAME_MEANING and {a[key], b[key]} <= _SAME_MEANING[key]:
-                continue
-            problems.append(f"{key}: shipped {a[key]!r}, built {b[key]!r}")
-    return problems
-
-
 def test_shipped_yaml_matches_the_recipes(rendered):
     """On the stack that generated yaml/ the text is identical; on any other, every field is equal but
     the release shapes listed above (so a real difference, e.g. a bridge ignoring a config value, fails)."""
     assert sorted(p.stem for p in YAML_DIR.glob("*.yaml")) == sorted(rendered)
-    shipped = {name: (YAML_DIR / f"{name}.yaml").read_text() for name in rendered}
-    if all(generating_stack() in text.splitlines()[2] for text in shipped.values()):
-        stale = [name for name, text in rendered.items() if shipped[name] != text]
-        assert stale == [], f"run `make generate`: {stale}"
-    else:
-        problems = {name: stack_differences(yaml.safe_load(shipped[name]), yaml.safe_load(text))
-                    for name, text in rendered.items()}
-        assert {name: p for name, p in problems.items() if p} == {}
+    problems = {name: config_differences((YAML_DIR / f"{name}.yaml").read_text(), text)
+                for name, text in rendered.items()}
+    assert {name: p for name, p in problems.items() if p} == {}, "run `make generate` (on the 26.02 stack)"
     assert RECIPE_CARDS.read_text() == render_cards(), "run `make generate`"
 
 
