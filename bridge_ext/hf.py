@@ -48,11 +48,16 @@ def apply_config_stated_fields(provider: Any, hf_config: Any) -> None:
     """Set provider fields that the HF config states but some Megatron Bridge release drops or hard-codes.
 
     megatron-bridge 0.3.0's DeepSeek-V3 bridge leaves YaRN's ``beta_fast``/``beta_slow`` at its defaults
-    (32/1; Kimi K2's config says 1/1); 0.3.1's hard-codes ``moe_aux_loss_coeff`` 1e-4 (Kimi K2's config
-    says ``aux_loss_alpha`` 0.001, as Megatron Bridge's own Kimi K2 provider does). The config wins, so
-    the model is the same on every stack (recipes and conversion alike).
+    (32/1; Kimi K2's config says 1/1), and its bridges lack 0.3.1's generic ``head_dim -> kv_channels`` and
+    ``num_key_value_heads -> num_query_groups`` mappings (a Qwen3 config with head_dim 16 got 128);
+    0.3.1's hard-codes ``moe_aux_loss_coeff`` 1e-4 (Kimi K2's config says ``aux_loss_alpha`` 0.001, as
+    Megatron Bridge's own Kimi K2 provider does). The config wins, so the model is the same on every stack
+    (recipes and conversion alike).
     """
     stated = {}
+    for theirs, ours in (("head_dim", "kv_channels"), ("num_key_value_heads", "num_query_groups")):
+        if getattr(hf_config, theirs, None) is not None:
+            stated[ours] = getattr(hf_config, theirs)
     rope = getattr(hf_config, "rope_scaling", None) or {}
     if rope.get("type", rope.get("rope_type")) == "yarn":
         stated.update({ours: rope[theirs] for theirs, ours in _YARN_FIELDS.items() if theirs in rope})

@@ -22,7 +22,6 @@ _ONE_RELEASE_ONLY = {  # fields only one release's classes have
     "model.rope_scaling", "model.rope_scaling_factor", "model.rotary_scaling_factor",  # 0.3.1 GPTModelProvider
 }
 _SAME_MEANING = {  # different values, same model
-    "model.num_query_groups": {None, 64},  # MLA: None means one group per head (64) after finalize()
     "model.mtp_loss_scaling_factor": {None, 0.1},  # unused: no multi-token-prediction layers
 }
 

@@ -24,7 +24,7 @@ from bridge_ext.convert import export_hf, find_iteration, import_hf, inspect_hf_
 from bridge_ext.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-NEMO = REPO / ".venv" / "bin" / "nemo"
+NEMO = Path(sys.executable).with_name("nemo")  # the venv under test (each stack has its own)
 FP32_TOLERANCE = 1e-5  # the bar for tiny models in fp32
 
 
