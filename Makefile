@@ -28,12 +28,12 @@ check-stack:
 
 # Every wheel the lock takes from $(WHEELS) must be there with the recorded checksum.
 check-wheels: check-stack
-	@cd $(WHEELS) && grep -v '^#' SHA256SUMS | while read -r sum file; do \
-	  if ! grep -qi "^$$(echo $$file | cut -d- -f1 | tr _ -)==$$(echo $$file | cut -d- -f2)\b" ../../$(LOCK); then continue; fi; \
-	  if [ ! -f "$$file" ]; then \
+	@grep -v '^#' requirements/wheels/SHA256SUMS | while read -r sum file; do \
+	  if ! grep -qi "^$$(echo $$file | cut -d- -f1 | tr _ -)==$$(echo $$file | cut -d- -f2)\b" $(LOCK); then continue; fi; \
+	  if [ ! -f "$(WHEELS)/$$file" ]; then \
 	    echo "error: $(WHEELS)/$$file is missing. Build it from the v$$(echo $$file | cut -d- -f2) tag of" \
 	         "NVIDIA-NeMo/Emerging-Optimizers (pip wheel --no-deps .) and put it there"; exit 2; fi; \
-	  echo "$$sum  $$file" | sha256sum --check --status || { \
+	  echo "$$sum  $(WHEELS)/$$file" | sha256sum --check --status || { \
 	    echo "error: $(WHEELS)/$$file does not match its SHA256SUMS entry; replace it with the upstream build"; exit 2; }; \
 	done
 

@@ -63,8 +63,15 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
     from bridge_ext.muon import MuonTelemetry, apply_preset
 
+    from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
     apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
-    callbacks = [MuonTelemetry(interval=cfg.logger.log_interval)] if telemetry and recipe.preset.kind == "muon" else []
+    callbacks: list[Any] = []
+    if telemetry and recipe.preset.kind == "muon":
+        if not use_cpu:
+            use_kernel_max_logit(cfg)  # TE measures the max logit in its kernel: no hook computes it
+        callbacks.append(MuonTelemetry(interval=cfg.logger.log_interval))  # also keeps QK-clip's running max
+    elif cfg.model.qk_clip:  # QK-clip needs the step's max over every micro-batch, telemetry or not
+        callbacks.append(QKClipTracking())
     return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks)
 
 
