@@ -19,13 +19,18 @@ if TYPE_CHECKING:
 
     from recipes import Layout, Recipe
 
-__all__ = ["build_config", "model_provider", "quiet_megatron", "resolve_for_run", "validate_for_layout"]
+__all__ = ["benchmark_only_fields", "build_config", "megatron_warnings_once", "model_provider", "quiet_megatron",
+           "resolve_for_run", "validate_for_layout"]
 
 OUTPUT_ROOT = "nemo_experiments"  # relative, so resolved YAML is the same on every machine
 
 
 def quiet_megatron() -> None:
-    """Megatron warns at import about every optional kernel it lacks; users need none of that."""
+    """Megatron warns at import about every optional kernel it lacks; users need none of that.
+
+    Process-wide: for the fast CLI paths, the dry run and tools only. A real run calls
+    :func:`megatron_warnings_once` instead, so that warnings raised while training stay visible.
+    """
     import logging
     import os
     import warnings
@@ -41,6 +46,33 @@ def quiet_megatron() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def megatron_warnings_once() -> None:
+    """For real runs: warnings stay visible, each distinct message once (Megatron repeats some per module).
+
+    A ``showwarning`` that drops repeats of a (category, text) already shown: the "once" filter action
+    does not do it, CPython keeps its registry per module.
+    """
+    import warnings
+
+    for category in (UserWarning, FutureWarning):  # undo a quiet_megatron() earlier in this process
+        first = next((f[0] for f in warnings.filters if f[1] is None and f[3] is None and issubclass(category, f[2])),
+                     "default")
+        if first == "ignore":  # (changing the filters would also show again what was shown already)
+            warnings.filterwarnings("default", category=category)
+    if getattr(warnings.showwarning, "_bridge_ext_once", False):
+        return
+    shown: set[tuple[type, str]] = set()
+    show = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        if (category, str(message)) not in shown:
+            shown.add((category, str(message)))
+            show(message, category, filename, lineno, file, line)
+
+    show_once._bridge_ext_once = True  # type: ignore[attr-defined]
+    warnings.showwarning = show_once
+
+
 def model_provider(recipe: Recipe):
     """Megatron provider for the recipe's model, from its shipped HF config (no weights)."""
     install_te_import_guard()
@@ -49,6 +81,8 @@ def model_provider(recipe: Recipe):
     hf_config = load_hf_config(recipe.model.config_dir)
     provider = AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
     apply_config_stated_fields(provider, hf_config)
+    for key, value in recipe.model.provider.items():  # what the model's authors set beyond its config.json
+        setattr(provider, key, value)
     spec = provider.transformer_layer_spec
     if isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
         # megatron/bridge/models/deepseek/deepseek_v3_bridge.py:51 bakes the *building* machine's TE
@@ -110,10 +144,25 @@ def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
 
 
 def resolve_for_run(cfg: ConfigContainer, recipe: Recipe) -> None:
-    """What must follow every override: schedule fractions become iteration counts for train_iters."""
+    """What must follow every override: the token budget and schedule fractions become iteration counts."""
     from bridge_ext.muon import resolve_schedule
 
+    _resolve_train_iters(cfg, recipe)
     resolve_schedule(cfg, recipe.preset)
+
+
+def _resolve_train_iters(cfg: ConfigContainer, recipe: Recipe) -> None:
+    """A model with a published token budget trains it at the current batch and sequence length.
+
+    Recomputes only the value it set itself (``build_config``): an explicit ``train.train_iters`` wins.
+    """
+    from recipes.budget import iters_for_tokens
+
+    tokens, t = recipe.model.pretrain_tokens, cfg.train
+    ours = getattr(t, "_bridge_ext_budget_iters", None)
+    if tokens and ours is not None and t.train_iters == ours and t.global_batch_size and cfg.model.seq_length:
+        t.train_iters = iters_for_tokens(tokens, t.global_batch_size * cfg.model.seq_length)
+        t._bridge_ext_budget_iters = t.train_iters
 
 
 def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
@@ -129,6 +178,12 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     cfg.model = model_provider(recipe)
     _apply_layout(cfg, chosen)
     _apply_preset(cfg, recipe)
+    cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else MB's template length
+    if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides:
+        cfg.train._bridge_ext_budget_iters = cfg.train.train_iters  # resolve_for_run may rescale it
+    cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else MB's template length
+    if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides:
+        cfg.train._bridge_ext_budget_iters = cfg.train.train_iters  # resolve_for_run may rescale it
 
     # Mock data by default: NullTokenizer over the model's vocabulary. Real data: set dataset.blend and
     # the tokenizer (see docs/recipes.md).
@@ -137,6 +192,10 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     cfg.tokenizer.vocab_size = cfg.model.vocab_size
     run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
     cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
+    # Slurm (time limit, preemption) and torchrun send SIGTERM before SIGKILL: save, then exit 0. The data
+    # loader workers must survive that signal too, or their death ends the trainer before it saves.
+    cfg.train.exit_signal_handler = True
+    cfg.train.exit_signal_handler_for_dataloader = True
     cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
     from bridge_ext.overrides import set_dotted
 
@@ -146,23 +205,72 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     return cfg
 
 
-def validate_for_layout(cfg: ConfigContainer, *, gpus: int) -> ConfigContainer:
-    """Run Megatron Bridge's ``ConfigContainer.validate()`` as if on ``gpus`` ranks; returns the copy.
+_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                   "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
 
-    Validation mutates (finalizes) the config, so it runs on a deep copy. Checks that need the GPU or
-    Transformer Engine on *this* machine are skipped when they are absent (``cpu_mode.validation_without_gpu``).
+
+def _size_problems(cfg: ConfigContainer) -> list[str]:
+    """Sizes and iteration counts that are missing or not positive (every later check divides by them)."""
+    m, t = cfg.model, cfg.train
+    required = [("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size),
+                ("model.seq_length", m.seq_length)]
+    optional = [("train.train_iters", t.train_iters), ("train.train_samples", t.train_samples),
+                *((f"model.{name}", getattr(m, name)) for name in _PARALLEL_SIZES)]
+    out = [f"{name} must be set" for name, value in required if value is None]
+    out += [f"{name} must be a positive integer, got {value}" for name, value in required + optional
+            if value is not None and value < 1]
+    if t.train_iters is None and t.train_samples is None:
+        out.append("set train.train_iters (or train.train_samples)")
+    return out
+
+
+def _launch_problems(cfg: ConfigContainer, gpus: int, max_positions: int | None) -> list[str]:
+    """What Megatron refuses at launch on ``gpus`` ranks, before the model or the process groups exist."""
+    m, t = cfg.model, cfg.train
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if gpus % (tp * pp * cp):
+        return [f"{gpus} GPUs are not divisible by model.tensor_model_parallel_size {tp} x "
+                f"pipeline_model_parallel_size {pp} x context_parallel_size {cp} = {tp * pp * cp}"]
+    out = []
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    if gpus % (etp * ep * pp):  # parallel_state.initialize_model_parallel's expert decomposition
+        out.append(f"model.expert_model_parallel_size {ep} x expert_tensor_parallel_size {etp} x "
+                   f"pipeline_model_parallel_size {pp} = {etp * ep * pp} does not divide {gpus} GPUs")
+    if m.num_moe_experts and m.num_moe_experts % ep:  # asserted when the MoE layer is built (moe_layer.py)
+        out.append(f"model.num_moe_experts {m.num_moe_experts} is not divisible by "
+                   f"model.expert_model_parallel_size {ep}")
+    if max_positions and m.seq_length > max_positions:  # RoPE would run, on positions the model never had
+        out.append(f"model.seq_length {m.seq_length} exceeds the model's max_position_embeddings {max_positions}")
+    from megatron.core import num_microbatches_calculator
+
+    try:  # the calculator Megatron Bridge's initialize builds at launch (rank 1: it logs on rank 0 only)
+        num_microbatches_calculator._build_num_microbatches_calculator(
+            1, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, gpus // (tp * pp * cp),
+            t.decrease_batch_size_if_needed)
+    except AssertionError as exc:
+        out.append(f"train.global_batch_size: {' '.join(str(exc).split())} ({gpus} GPUs)")
+    return out
+
+
+def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int | None = None) -> ConfigContainer:
+    """Check ``cfg`` as Megatron would when launched on ``gpus`` ranks; returns the validated copy.
+
+    First what Megatron refuses only at launch (sizes, the batch split, expert counts) and a sequence
+    longer than the model's ``max_positions`` (its HF config's ``max_position_embeddings``), then
+    Megatron Bridge's ``ConfigContainer.validate()``, which runs ``TransformerConfig.__post_init__`` (heads
+    and query groups vs TP, layers vs PP/VP or the pipeline layout string). Validation mutates (finalizes)
+    the config, so it runs on a deep copy. Checks that need the GPU or Transformer Engine on *this* machine
+    are skipped when they are absent (``cpu_mode.validation_without_gpu``). Every problem is a ``UserError``.
     """
     from bridge_ext.cpu_mode import validation_without_gpu
 
+    problems = _size_problems(cfg) or _launch_problems(cfg, gpus, max_positions)
+    if problems:
+        raise UserError("; ".join(problems))
     checked = copy.deepcopy(cfg)
-    tp_pp_cp = (
-        checked.model.tensor_model_parallel_size
-        * checked.model.pipeline_model_parallel_size
-        * checked.model.context_parallel_size
-    )
-    if gpus % tp_pp_cp:
-        raise UserError(f"{gpus} GPUs are not divisible by tp*pp*cp={tp_pp_cp}; fix the parallel sizes")
-    checked.data_parallel_size = gpus // tp_pp_cp
+    m = checked.model
+    checked.data_parallel_size = gpus // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+                                          * m.context_parallel_size)
     if checked.comm_overlap is not None:
         checked.comm_overlap.data_parallel_size = checked.data_parallel_size
     try:
@@ -171,4 +279,50 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int) -> ConfigContainer:
     except (AssertionError, ValueError, TypeError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         raise UserError(f"the config does not validate: {message}") from None
+    _check_layer_split(checked.model)
     return checked
+
+
+def _check_layer_split(model) -> None:
+    """Layers over pipeline (and virtual) stages, as each rank will split them when it builds its model.
+
+    ``TransformerConfig`` checks a pipeline layout string and uneven splits; an even split is asserted only
+    in ``get_num_layers_to_build`` (``transformer_block.py``), which is called here for every stage.
+    """
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
+    if pp == 1 or model.pipeline_model_parallel_layout is not None:
+        return
+    try:
+        for rank in range(pp):
+            for stage in range(vp) if vp else (None,):
+                get_num_layers_to_build(model, vp_stage=stage, pp_rank=rank)
+    except AssertionError as exc:
+        raise UserError(f"model.num_layers {model.num_layers} over pipeline_model_parallel_size {pp} x "
+                        f"virtual_pipeline_model_parallel_size {vp or 1}: {' '.join(str(exc).split())}") from None
+
+
+@functools.cache
+def benchmark_only_fields() -> dict[str, str]:
+    """Provider fields megatron-core documents as for benchmarking only: name -> its documentation.
+
+    Read from the installed ``TransformerConfig`` (and its base classes) source: a field's docstring is
+    the string right after its annotated assignment. A training layout must leave these at their defaults.
+    """
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    out = {}
+    for cls in TransformerConfig.__mro__[:-1]:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for node, doc in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str) and re.search(r"benchmark", doc.value.value, re.I)):
+                out.setdefault(node.target.id, " ".join(doc.value.value.split()))
+    return out

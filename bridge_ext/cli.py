@@ -128,6 +128,12 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
         lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}")
     if getattr(m, "qk_clip", False):
         lines.append(f"qk-clip     threshold {m.qk_clip_threshold}, alpha {m.qk_clip_alpha}")
+    from bridge_ext.build import benchmark_only_fields
+
+    for name, doc in benchmark_only_fields().items():
+        if getattr(m, name, None):
+            lines.append(f"benchmark   {name}={getattr(m, name)}: throughput only, do not keep the weights "
+                         f"(megatron-core: \"{doc}\")")
     if cfg.dataset.blend:
         lines.append(f"data        dataset.blend={cfg.dataset.blend}")
     elif recipe.model.proxy_of:
@@ -172,15 +178,20 @@ def _resolve(args: argparse.Namespace):
     from rich.console import Console
 
     with Console(stderr=True, quiet=not _is_rank_zero()).status(f"building {recipe.name} ({layout.cluster}) ..."):
-        from bridge_ext.build import build_config, quiet_megatron, resolve_for_run, validate_for_layout
+        from bridge_ext.build import (build_config, megatron_warnings_once, quiet_megatron, resolve_for_run,
+                                      validate_for_layout)
 
-        quiet_megatron()
+        if training:  # a real run keeps Megatron's warnings; only the dry run and --to-yaml are quiet
+            megatron_warnings_once()
+        else:
+            quiet_megatron()
         from bridge_ext.overrides import apply_user_overrides
 
         cfg = build_config(recipe, layout=args.layout)
         apply_user_overrides(cfg, yaml_path=args.yaml, overrides=args.overrides)
         resolve_for_run(cfg, recipe)
-        checked = validate_for_layout(cfg, gpus=gpus)
+        positions = recipe.model.hf_config.get("max_position_embeddings")
+        checked = validate_for_layout(cfg, gpus=gpus, max_positions=positions)
     return recipe, layout, cfg, checked
 
 

@@ -226,10 +226,15 @@ def _settings(cfg, recipe) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- worker
 def _worker(spec_path: Path) -> int:
     """Train one run (spec written by the parent) and stream its per-iteration losses to JSON lines."""
-    spec = json.loads(spec_path.read_text())
-    from bridge_ext.build import quiet_megatron
+    from bridge_ext.build import megatron_warnings_once
 
-    quiet_megatron()
+    megatron_warnings_once()  # a real run: Megatron's warnings go to train.log, each once
+    train_one(json.loads(spec_path.read_text()))
+    return 0
+
+
+def train_one(spec: dict[str, Any], *, callbacks: Sequence[Any] = ()) -> None:
+    """What a worker process runs for one spec, in this process (``callbacks`` join the run's own)."""
     import torch
 
     if spec["threads"]:
@@ -244,8 +249,7 @@ def _worker(spec_path: Path) -> int:
                                 quiet=True)
     prepared = training.prepare(recipe, cfg, device=spec["device"], data=spec["data"], quiet=True, telemetry=False)
     recorder = training.loss_recorder(Path(spec["losses"]), extra={"config": _settings(cfg, recipe)})
-    training.run_pretrain(cfg, prepared, callbacks=[recorder])
-    return 0
+    training.run_pretrain(cfg, prepared, callbacks=[recorder, *callbacks])
 
 
 # ------------------------------------------------------------------------------------------------- parent
@@ -387,8 +391,9 @@ def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed:
 
         budgets, description = {}, ""
         for run in runs:
-            cfg, _, description = _configure(run, iters=iters, seed=seed, data=data, common=common, quiet=True)
-            validate_for_layout(cfg, gpus=1)  # Megatron Bridge's own checks, before anything is written
+            cfg, recipe, description = _configure(run, iters=iters, seed=seed, data=data, common=common, quiet=True)
+            # Megatron's and Megatron Bridge's own checks, before anything is written
+            validate_for_layout(cfg, gpus=1, max_positions=recipe.model.hf_config.get("max_position_embeddings"))
             budgets[run.label] = _budget(cfg)
     if len(set(budgets.values())) > 1:
         detail = "; ".join(f"{k}: GBS {b[0]} seq {b[1]}" for k, b in budgets.items())

@@ -763,12 +763,13 @@ def _sdpa_core_attention_class():
             if not causal and attention_mask is not None:
                 mask = ~attention_mask  # Megatron masks are True where attention is forbidden
             if self.config.qk_clip or self.config.log_max_attention_logit:
-                logits = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
-                if causal:
-                    s_q, s_k = logits.shape[-2:]
-                    upper = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-                    logits = logits.masked_fill(upper, float("-inf"))
-                self.current_max_attn_logits = logits.detach().amax(dim=(0, 2, 3))
+                from bridge_ext.attention_logits import max_logits
+
+                # as TE: a running max over the step's micro-batches, until clip_qk resets it; in tiles,
+                # never the [b, h, s, s] logits
+                measured = max_logits(query, key, self.softmax_scale, causal=causal)
+                previous = self.current_max_attn_logits
+                self.current_max_attn_logits = measured if previous is None else torch.maximum(previous, measured)
             dropout_p = self.dropout_p if self.training else 0.0
             with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
                 out = torch.nn.functional.scaled_dot_product_attention(

@@ -5,9 +5,9 @@ Four parts, each usable alone:
 * **Presets at run time** (:func:`apply_preset`, :func:`resolve_schedule`, :func:`install_ns_coefficients`,
   :func:`install_muon_clip`): what a ``recipes.optimizers.MuonPreset`` needs beyond the
   ``OptimizerConfig``/``SchedulerConfig`` fields that ``bridge_ext.build`` already applies.
-* **MuonClip** (:func:`clip_qk`, :func:`track_attention_logits`): the per-head QK-clip of Kimi K2
-  (arXiv 2507.20534, Algorithm 1) through megatron-core 0.16's ``MultiLatentAttention.clip_qk``, with the
-  two gaps of the installed stack closed (unwrapping of fp32 models; the running max over micro-batches).
+* **MuonClip** (:func:`clip_qk`): the per-head QK-clip of Kimi K2 (arXiv 2507.20534, Algorithm 1) through
+  megatron-core 0.16's ``MultiLatentAttention.clip_qk``, unwrapping fp32 models; the step's max logit over
+  every micro-batch comes from ``bridge_ext.attention_logits``.
 * **Routing manifest** (:func:`muon_plan`, ``nemo llm muon-plan``): every parameter of a recipe's model,
   from its shipped HF ``config.json`` alone (no torch), with the optimizer megatron-core routes it to, how
   Muon splits it and its Newton-Schulz FLOPs.
@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from bridge_ext.attention_logits import attentions as _attentions
+from bridge_ext.attention_logits import track_attention_logits
 from bridge_ext.errors import UserError
 
 if TYPE_CHECKING:
@@ -156,25 +158,6 @@ def resolve_schedule(cfg: Any, preset: OptimizerPreset) -> dict[str, Any]:
 # =========================================================================================================
 
 
-def _decoders(model: Any) -> Iterator[Any]:
-    """The ``TransformerBlock`` of each model chunk, whatever wraps it (DDP, Float16Module or none)."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        module = chunk
-        while not hasattr(module, "decoder") and hasattr(module, "module"):
-            module = module.module
-        if hasattr(module, "decoder"):
-            yield module.decoder
-
-
-def _attentions(model: Any) -> Iterator[Any]:
-    for decoder in _decoders(model):
-        for layer in decoder.layers:
-            attention = getattr(layer, "self_attention", None)
-            if attention is not None and hasattr(attention, "core_attention"):
-                yield attention
-
-
 def clip_qk(model: Any, *, log_max_only: bool = False) -> float | None:
     """MuonClip's QK-clip after the optimizer step; returns the max attention logit (None if unmeasured).
 
@@ -222,59 +205,6 @@ def install_muon_clip() -> None:
 
     bridge_clip_qk._bridge_ext = True  # type: ignore[attr-defined]
     train.clip_qk = bridge_clip_qk
-
-
-def _causal_max_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-head max of the causal logits q.k * scale for [s, b, h, d] query and [s, b, g, d] key."""
-    import torch
-
-    q, k = query.detach().permute(1, 2, 0, 3).float(), key.detach().permute(1, 2, 0, 3).float()
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    logits = torch.matmul(q, k.transpose(-2, -1)) * scale
-    s_q, s_k = logits.shape[-2:]
-    upper = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1 + s_k - s_q)
-    return logits.masked_fill(upper, float("-inf")).amax(dim=(0, 2, 3))
-
-
-def track_attention_logits(model: Any) -> list[Any]:
-    """Forward hooks that keep each core attention's per-head max logit as a running max; returns handles.
-
-    * Core attentions that measure it (TE >= 2.9 with ``qk_clip``/``log_max_attention_logit``, and CPU mode's
-      ``SDPACoreAttention``) set ``current_max_attn_logits`` per forward; the SDPA one overwrites it per
-      micro-batch, TE keeps the max. The hook makes it the max since the last ``clip_qk`` everywhere.
-    * Core attentions that do not (Megatron's local ``DotProductAttention``, e.g. Qwen3 on CPU) get it
-      computed from the hook's query/key (causal masking, the module's ``softmax_scale``).
-    The hooks also keep ``module.bridge_ext_max_logits``, the running max that :class:`MuonTelemetry` reads
-    and resets (``clip_qk`` resets the upstream attribute after every step).
-    """
-    import torch
-
-    handles = []
-    for attention in _attentions(model):
-        core = attention.core_attention
-
-        def pre_hook(module: Any, args: tuple) -> None:
-            module._bridge_ext_previous = getattr(module, "current_max_attn_logits", None)
-
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            measured = getattr(module, "current_max_attn_logits", None)
-            if measured is None or measured is getattr(module, "_bridge_ext_previous", None):
-                query = args[0] if args else kwargs["query"]
-                key = args[1] if len(args) > 1 else kwargs["key"]
-                scale = getattr(module, "softmax_scale", None) or 1.0 / math.sqrt(query.shape[-1])
-                measured = _causal_max_logits(query, key, scale)
-            previous = getattr(module, "_bridge_ext_previous", None)
-            if previous is not None:
-                measured = torch.maximum(previous, measured)
-            if hasattr(module, "current_max_attn_logits") or module.config.qk_clip:
-                module.current_max_attn_logits = measured
-            running = getattr(module, "bridge_ext_max_logits", None)
-            module.bridge_ext_max_logits = measured if running is None else torch.maximum(running, measured)
-
-        handles.append(core.register_forward_pre_hook(pre_hook))
-        handles.append(core.register_forward_hook(hook, with_kwargs=True))
-    return handles
 
 
 # =========================================================================================================
@@ -633,11 +563,13 @@ class MuonTelemetry:
 
     A Megatron Bridge callback (``pretrain(cfg, forward_step, callbacks=[MuonTelemetry(interval=100)])``):
     ``on_train_start`` installs :func:`track_attention_logits`; before a logged step it snapshots up to
-    ``max_params`` parameters per group, after it logs ``update_rms/<group>`` = RMS(p_new - p_old) averaged
-    over the sampled parameters (groups: ``muon``, ``muon_experts``, ``adam``), ``ns_orthogonality_error``
-    (mean over ``sample_matrices`` momentum buffers, :func:`orthogonality_error`) and
-    ``max_attention_logit`` (running max since the last log, over layers and heads). Printed on rank 0 and
-    written to TensorBoard under ``muon/``. ``history`` keeps every record (for tests and notebooks).
+    ``max_params`` parameters per group and starts measuring the max logit, after it logs
+    ``update_rms/<group>`` = RMS(p_new - p_old) averaged over the sampled parameters (groups: ``muon``,
+    ``muon_experts``, ``adam``), ``ns_orthogonality_error`` (mean over ``sample_matrices`` momentum buffers,
+    :func:`orthogonality_error`), ``max_attention_logit/layer_<i>`` (max over the logged iteration's
+    micro-batches and the layer's heads) and ``max_attention_logit`` (their max). Nothing is measured on other
+    iterations. Printed on rank 0 (without the per-layer values) and written to TensorBoard under ``muon/``.
+    ``history`` keeps every record (for tests and notebooks).
     """
 
     interval: int = 100
@@ -648,21 +580,25 @@ class MuonTelemetry:
 
     def __post_init__(self) -> None:
         self._before: dict[str, list[tuple[Any, Any]]] | None = None
-        self._handles: list[Any] = []
+        self._tracker: Any = None
 
     # -- Bridge callback protocol (duck-typed: megatron.bridge.training.callbacks.Callback) ---------------
     def on_train_start(self, context: Any) -> None:
-        self._handles = track_attention_logits(context.model)
+        self._tracker = track_attention_logits(context.model)
 
     def on_train_step_start(self, context: Any) -> None:
         iteration = context.state.train_state.step + 1  # the iteration about to run, 1-based
         if iteration % self.interval == 0:
             self._before = {g: [(p, p.detach().clone()) for p in ps] for g, ps in self._groups(context).items()}
+            if self._tracker is not None:
+                self._tracker.start()
 
     def on_train_step_end(self, context: Any) -> None:
         if self._before is None:
             return
         iteration = context.state.train_state.step + 1  # incremented after on_train_step_end
+        if self._tracker is not None:
+            self._tracker.stop()
         record = self.measure(context.model, context.optimizer, self._before)
         self._before = None
         record["iteration"] = iteration
@@ -670,9 +606,9 @@ class MuonTelemetry:
         self._emit(context, iteration, record)
 
     def on_train_end(self, context: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
 
     # -- measurement ---------------------------------------------------------------------------------------
     def _groups(self, context: Any) -> dict[str, list[Any]]:
@@ -706,15 +642,16 @@ class MuonTelemetry:
                             errors.append(orthogonality_error(buffer, coefficient_type=coefficient_type))
             if errors:
                 record["ns_orthogonality_error"] = sum(errors) / len(errors)
-            logits = []
+            logits = {}
             for attention in _attentions(model):
                 core = attention.core_attention
                 running = getattr(core, "bridge_ext_max_logits", None)
-                if running is not None:
-                    logits.append(float(running.max()))
+                if running is not None:  # layer_number is global and 1-based (pipeline stages included)
+                    logits[f"max_attention_logit/layer_{attention.layer_number - 1}"] = float(running.max())
                     core.bridge_ext_max_logits = None
             if logits:
-                record["max_attention_logit"] = max(logits)
+                record["max_attention_logit"] = max(logits.values())
+                record.update(logits)
         return record
 
     def _emit(self, context: Any, iteration: int, record: Mapping[str, float]) -> None:
@@ -722,7 +659,7 @@ class MuonTelemetry:
 
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
-        text = " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "iteration")
+        text = " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "iteration" and "/layer_" not in k)
         (self.log or (lambda s: print(s, file=sys.stdout, flush=True)))(f" [muon] iteration {iteration}: {text}")
         writer = getattr(context.state, "tensorboard_logger", None)
         if writer is not None:

@@ -61,9 +61,9 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         cpu_mode.enable_cpu_mode()
         cpu_mode.configure_for_cpu(cfg)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
+    from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
     from bridge_ext.muon import MuonTelemetry, apply_preset
 
-    from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
     apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
     callbacks: list[Any] = []
     if telemetry and recipe.preset.kind == "muon":

@@ -10,7 +10,7 @@ import recipes
 from megatron.bridge.training.mixed_precision import get_mixed_precision_config
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from bridge_ext.build import build_config, validate_for_layout
+from bridge_ext.build import benchmark_only_fields, build_config, validate_for_layout
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
 from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
@@ -49,6 +49,22 @@ def test_recipe_builds_offline_and_validates_on_every_layout(name):
             expected = recipe.overrides.get(f"optimizer.{key}", value)
             assert getattr(checked.optimizer, key) == expected, key
         assert checked.ddp.use_distributed_optimizer is recipe.preset.ddp["use_distributed_optimizer"]
+        if not layout_name.endswith("-bench"):  # training layouts: megatron-core's benchmark-only settings off
+            defaults = {f.name: f.default for f in dataclasses.fields(type(model))}
+            assert {k: getattr(model, k) for k in benchmark_only_fields()} == {
+                k: defaults[k] for k in benchmark_only_fields()}, layout_name
+
+
+def test_benchmark_only_settings_are_read_from_megatron_core_and_only_bench_layouts_set_them():
+    fields = benchmark_only_fields()
+    assert fields and all("benchmark" in doc.lower() for doc in fields.values())  # found in its docstrings
+    bench = {(name, layout) for name, recipe in recipes.RECIPES.items() for layout in recipe.layouts
+             if layout.endswith("-bench")}
+    assert ("kimi_k2_muon", "gb300x256-bench") in bench
+    for name, layout in bench:  # what makes them benchmark layouts, and their cards say so
+        model = build_config(recipes.get_recipe(name), layout=layout).model
+        assert any(getattr(model, k) for k in fields), (name, layout)
+        assert "do not keep the weights" in recipes.get_recipe(name).layouts[layout].why
 
 
 def test_kimi_k2_model_matches_its_hf_config():

@@ -284,3 +284,73 @@ def test_cpu_pretrain_on_text_writes_checkpoint_and_loss_curve(tmp_path):
     assert len(values) == 12 and values[-1] < values[0] - 0.5  # real text: ln(4096) = 8.3 at the start
     assert (run / "ckpt" / "loss.png").stat().st_size > 10_000 and any((run / "tb").iterdir())
     assert f"loss curve:      {run}/ckpt/loss.png" in result.stdout
+
+
+# ------------------------------------------------------------------------ what Megatron refuses at launch
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "args", "message"), [
+    # kimi_k2_muon on gb300x256: 256 GPUs / (TP1 x PP4 x CP1) = DP 64, MBS 2
+    ("kimi_k2_muon", ["train.global_batch_size=4097"], "train.global_batch_size: global batch size (4097) is not "
+     "divisible by micro batch size (2) times data parallel size (64) (256 GPUs)"),
+    ("kimi_k2_muon", ["train.global_batch_size=-8"], "train.global_batch_size must be a positive integer, got -8"),
+    ("kimi_k2_muon", ["train.micro_batch_size=0"], "train.micro_batch_size must be a positive integer, got 0"),
+    ("kimi_k2_muon", ["train.train_iters=0"], "train.train_iters must be a positive integer, got 0"),
+    ("kimi_k2_muon", ["model.num_moe_experts=100"],
+     "model.num_moe_experts 100 is not divisible by model.expert_model_parallel_size 64"),
+    ("kimi_k2_muon", ["model.expert_model_parallel_size=48"], "model.expert_model_parallel_size 48 x "
+     "expert_tensor_parallel_size 1 x pipeline_model_parallel_size 4 = 192 does not divide 256 GPUs"),
+    ("kimi_k2_muon", ["model.seq_length=262144", "dataset.sequence_length=262144"],
+     "model.seq_length 262144 exceeds the model's max_position_embeddings 131072"),
+    ("kimi_k2_muon", ["model.pipeline_model_parallel_size=2"],  # the layout string has 16 stages, PP2 x VP4 = 8
+     "virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout"),
+    ("qwen3_8b_muon", ["model.tensor_model_parallel_size=3"], "8 GPUs are not divisible by "
+     "model.tensor_model_parallel_size 3 x pipeline_model_parallel_size 1 x context_parallel_size 1 = 3"),
+    ("qwen3_14b_muon", ["model.tensor_model_parallel_size=16"],  # 40 heads
+     "num_attention_heads (40) must be a multiple of tensor_model_parallel_size (16)"),
+    ("qwen3_8b_muon", ["model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
+                       "model.pipeline_model_parallel_size=8"],  # 36 layers
+     "model.num_layers 36 over pipeline_model_parallel_size 8 x virtual_pipeline_model_parallel_size 1: "
+     "num_layers should be divisible by pipeline_model_parallel_size"),
+])
+def test_dryrun_refuses_what_megatron_would_refuse_at_launch(capsys, tmp_path, monkeypatch, recipe, args, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, "llm", "pretrain", "--recipe", recipe, *args, "--dryrun")
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_kimi_k2_trains_the_real_router_and_the_bench_layout_says_why(capsys):
+    code, out, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun")
+    summary, _, resolved = out.partition("---\n")
+    assert code == 0, err
+    assert yaml.safe_load(resolved)["model"]["moe_router_force_load_balancing"] is False
+    assert "\nbenchmark " not in summary
+    code, out, err = run_main(capsys, "llm", "pretrain", "--recipe", "kimi_k2_muon", "layout=gb300x256-bench",
+                              "--dryrun")
+    summary, _, resolved = out.partition("---\n")
+    assert code == 0, err
+    assert yaml.safe_load(resolved)["model"]["moe_router_force_load_balancing"] is True
+    line = next(line for line in summary.splitlines() if line.startswith("benchmark "))
+    assert "moe_router_force_load_balancing=True" in line and "do not keep the weights" in line
+    assert "only for benchmark" in line  # megatron-core's own words
+
+
+@pytest.mark.slow
+def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_path):
+    """qwen3_proxy_muon for 2 iterations: its 5 warm-up iterations x GBS 8 = 40 samples exceed the 2 x 8 = 16
+    of the whole run, which Megatron Bridge warns about (and caps); a user needs to see that."""
+    argv = [sys.executable, "-m", "bridge_ext.cli", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
+            "train.train_iters=2", "--data", "mock"]
+    warning = "lr_warmup_steps (40) >= lr_decay_steps (16)"
+    dry = subprocess.run([*argv, "--dryrun"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert dry.returncode == 0 and "Warning" not in dry.stderr, dry.stderr[-2000:]
+    real = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert real.returncode == 0, real.stderr[-2000:]
+    assert real.stderr.count(warning) == 1, real.stderr[-4000:]
+    # each of Megatron's messages once (without Apex, megatron-core raises "Apex is not installed. Falling back
+    # to Torch Norm" from four modules)
+    megatron = [line.split("Warning: ", 1)[1] for line in real.stderr.splitlines()
+                if "Warning: " in line and "/megatron/" in line]
+    assert warning in " ".join(megatron) and len(megatron) == len(set(megatron)), megatron

@@ -313,10 +313,9 @@ def mla_proxy(cpu_mode):
     assert cfg.model.qk_clip and cfg.model.qk_clip_threshold == THRESHOLD
     torch.manual_seed(0)
     model = cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
-    handles = track_attention_logits(model)
+    tracker = track_attention_logits(model)
     yield cfg, model
-    for handle in handles:
-        handle.remove()
+    tracker.remove()
     install_ns_coefficients("quintic")
     _end_process_state()
 
@@ -367,7 +366,7 @@ def _step(cfg, model, tokens, *, clip: bool, lr: float | None):
             group["lr"] = lr
     for layer in range(3):  # start of the step: nothing measured yet
         _attention(model, layer).core_attention.current_max_attn_logits = None
-    # two micro-batches: the running max must cover both (the SDPA attention alone keeps the last)
+    # two micro-batches: the running max must cover both
     for chunk in model:
         chunk.zero_grad_buffer()
     for half in (tokens[:1], tokens[1:]):

@@ -1,5 +1,6 @@
 """Recipe registry, layouts and parameter counts: pure Python, no Megatron."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -35,6 +36,11 @@ def test_benchmark_layouts_are_the_defaults():
     kimi = recipes.get_recipe("kimi_k2_muon").layout()
     assert (kimi.cluster, kimi.gpus, kimi.tp, kimi.pp, kimi.vp, kimi.ep, kimi.dp) == ("gb300x256", 256, 1, 4, 4, 64, 64)
     assert (kimi.global_batch_size, kimi.micro_batch_size, kimi.seq_length) == (4096, 2, 4096)
+    assert "moe_router_force_load_balancing" not in kimi.model  # the default trains the real router
+    # the benchmark itself: the same layout with the router forced to balance
+    bench = recipes.get_recipe("kimi_k2_muon").layout("gb300x256-bench")
+    assert dataclasses.replace(bench, cluster=kimi.cluster, model=kimi.model, why=kimi.why) == kimi
+    assert dict(bench.model) == {**kimi.model, "moe_router_force_load_balancing": True}
     upstream = recipes.get_recipe("kimi_k2_muon").layout("h100x512")
     assert (upstream.tp, upstream.pp, upstream.ep, upstream.gpus) == (2, 16, 32, 512)
     qwen = recipes.get_recipe("qwen3_30b_a3b_muon").layout()
@@ -43,7 +49,7 @@ def test_benchmark_layouts_are_the_defaults():
 
 
 def test_unknown_layout_lists_the_choices():
-    with pytest.raises(UserError, match="choose one of: gb300x256, h100x512"):
+    with pytest.raises(UserError, match="choose one of: gb300x256, gb300x256-bench, h100x512"):
         recipes.get_recipe("kimi_k2_muon").layout("h100x256")
 
 
