@@ -181,9 +181,6 @@ def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContaine
     cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else MB's template length
     if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides:
         cfg.train._bridge_ext_budget_iters = cfg.train.train_iters  # resolve_for_run may rescale it
-    cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else MB's template length
-    if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides:
-        cfg.train._bridge_ext_budget_iters = cfg.train.train_iters  # resolve_for_run may rescale it
 
     # Mock data by default: NullTokenizer over the model's vocabulary. Real data: set dataset.blend and
     # the tokenizer (see docs/recipes.md).

@@ -71,6 +71,7 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
         "micro_batch_size": layout.micro_batch_size,
         "global_batch_size": layout.global_batch_size,
         "seq_length": layout.seq_length,
+        "run": recipe.run_length(layout.cluster).as_dict(),  # warm-up, tokens per step, total tokens
         "precision": layout.precision,
         "twin": recipe.twin,
         "layouts": list(recipe.layouts),
@@ -88,12 +89,23 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     width = max(map(len, info))
     for key, value in info.items():
-        if isinstance(value, dict):
+        if key == "run":
+            value = _run_line(**value)
+        elif isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
         elif isinstance(value, int) and key.startswith("params"):
             value = f"{value / 1e9:.2f} B ({value:,})"
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _run_line(*, tokens_per_step: int, train_iters: int, warmup_iters: float, decay_start: int | None,
+              total_tokens: int) -> str:
+    decay = f", decay after iteration {decay_start:,}" if decay_start is not None else ""
+    units = ((1e12, "T "), (1e9, "B "), (1e6, "M "), (1e3, "k "), (1, ""))
+    scale, unit = next((scale, unit) for scale, unit in units if total_tokens >= scale)
+    return (f"{train_iters:,} iterations x {tokens_per_step:,} tokens per step = {total_tokens / scale:.4g} "
+            f"{unit}tokens; warm-up {warmup_iters:,.4g} steps{decay}")
 
 
 # --------------------------------------------------------------------------------------------- pretrain
@@ -141,8 +153,18 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
     else:
         lines.append("data        mock data (NullTokenizer); set dataset.blend and the tokenizer for real data")
     sch = cfg.scheduler
-    warmup = sch.lr_warmup_iters or f"{sch.lr_warmup_fraction:.4%} of decay iterations"
-    decay = f", final {sch.lr_wsd_decay_iters} iterations {sch.lr_wsd_decay_style}" if sch.lr_decay_style == "WSD" else ""
+    from recipes.budget import run_length
+
+    warmup = f"{sch.lr_warmup_iters:,} steps" if sch.lr_warmup_iters else f"{sch.lr_warmup_fraction or 0:.4%} of decay"
+    if t.train_iters:  # iteration-based (sample-based runs have no fixed tokens per iteration count here)
+        run = run_length(global_batch_size=t.global_batch_size, seq_length=m.seq_length, train_iters=t.train_iters,
+                         lr_warmup_iters=sch.lr_warmup_iters, lr_warmup_fraction=sch.lr_warmup_fraction,
+                         lr_decay_iters=sch.lr_decay_iters, lr_decay_style=sch.lr_decay_style,
+                         lr_wsd_decay_iters=sch.lr_wsd_decay_iters)
+        lines.append(f"run         {_run_line(**run.as_dict())}")
+        warmup = f"{run.warmup_iters:,.4g} steps"
+    wsd = sch.lr_decay_style == "WSD" and sch.lr_wsd_decay_iters
+    decay = f", final {sch.lr_wsd_decay_iters:,} iterations {sch.lr_wsd_decay_style}" if wsd else ""
     lines.append(f"schedule    {sch.lr_decay_style}: warm-up {warmup}{decay}; weight decay "
                  f"{sch.start_weight_decay}->{sch.end_weight_decay}")
     return "\n".join(lines)

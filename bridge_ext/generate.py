@@ -49,6 +49,17 @@ def _layout_line(layout) -> str:
             + (f", {', '.join(f'{k}={v}' for k, v in layout.model.items())}" if layout.model else ""))
 
 
+def _run_text(recipe) -> str:
+    run = recipe.run_length()
+    budget = (f"the published {recipe.model.pretrain_tokens / 1e12:g} T tokens at the layout's tokens per step"
+              if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides
+              else "the recipe's setting" if "train.train_iters" in recipe.overrides
+              else "Megatron Bridge's template length (no published token budget)")
+    decay = f", final decay after iteration {run.decay_start:,}" if run.decay_start is not None else ""
+    return (f"{run.train_iters:,} iterations ({budget}) x {run.tokens_per_step:,} tokens per step = "
+            f"{run.total_tokens:,} tokens; warm-up {run.warmup_iters:,.4g} steps{decay}")
+
+
 def render_cards() -> str:
     """``docs/recipes.md``: one card per recipe, from the registry (pure data, no Megatron)."""
     from recipes import RECIPES
@@ -63,6 +74,10 @@ def render_cards() -> str:
                 f"`{model.hf_config['model_type']}`), config shipped in `recipes/hf_configs/{model.name}/` "
                 f"(from `{model.hf_id}`); {model.params.total / 1e9:.2f} B parameters, "
                 f"{model.params.active / 1e9:.2f} B active.",
+                *([f"- **Provider fields beyond config.json**: "
+                   f"{', '.join(f'`{k}={v}`' for k, v in model.provider.items())} ({model.provider_source})."]
+                  if model.provider else []),
+                f"- **Run length** (default layout): {_run_text(recipe)}.",
                 f"- **Optimizer preset**: `{preset.name}`: {preset.summary}. Source: {preset.source}. "
                 f"Why: {recipe.preset_why}.",
                 "  " + ", ".join(f"`{k}={v}`" for k, v in preset.optimizer.items()),

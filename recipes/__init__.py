@@ -11,11 +11,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge_ext.errors import UserError, closest
+from recipes.budget import UNSTATED_TRAIN_ITERS, RunLength, iters_for_tokens, run_length
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
 from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset", "RunLength"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,31 @@ class Recipe:
                 f"choose one of: {', '.join(self.layouts)}"
             )
         return self.layouts[name]
+
+    def train_iters(self, layout: Layout) -> int:
+        """Iterations on ``layout``: the recipe's own, else the model's published token budget at the layout's
+        tokens per step, else Megatron Bridge's template length."""
+        if "train.train_iters" in self.overrides:
+            return self.overrides["train.train_iters"]
+        if self.model.pretrain_tokens:
+            return iters_for_tokens(self.model.pretrain_tokens, layout.global_batch_size * layout.seq_length)
+        return UNSTATED_TRAIN_ITERS
+
+    def run_length(self, layout: str | None = None) -> RunLength:
+        """Tokens per step, iterations, warm-up and decay start on ``layout``, from recipe data alone."""
+        chosen = self.layout(layout)
+        sched = {**self.preset.scheduler,
+                 **{k.removeprefix("scheduler."): v for k, v in self.overrides.items() if k.startswith("scheduler.")}}
+        iters = self.train_iters(chosen)
+        wsd = sched.get("lr_wsd_decay_iters")
+        fraction = self.preset.schedule_fractions.get("lr_wsd_decay_fraction")
+        if wsd is None and fraction is not None:  # as bridge_ext.muon.resolve_schedule resolves it
+            wsd = max(1, round(fraction * (sched.get("lr_decay_iters") or iters)))
+        return run_length(global_batch_size=chosen.global_batch_size, seq_length=chosen.seq_length, train_iters=iters,
+                          lr_warmup_iters=sched.get("lr_warmup_iters"),
+                          lr_warmup_fraction=sched.get("lr_warmup_fraction"),
+                          lr_decay_iters=sched.get("lr_decay_iters"), lr_decay_style=sched["lr_decay_style"],
+                          lr_wsd_decay_iters=wsd)
 
 
 # Muon preset each model family's `_muon` recipe uses, and why (shown on the recipe cards); the `_adamw`

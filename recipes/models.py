@@ -6,7 +6,8 @@ Adding a model: drop its ``config.json`` into ``recipes/hf_configs/<name>/`` and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,13 @@ class ModelSpec:
     published_params_b: tuple[float, float] | None
     source: str
     proxy_of: str | None = None  # a tiny model of the same architecture family, for CPU runs and tests
+    # Tokens of the published pre-training run: train.train_iters is sized to it at each layout's tokens per
+    # step (recipes.Recipe.train_iters). None: Megatron Bridge's template length (recipes.budget).
+    pretrain_tokens: float | None = None
+    # Provider fields the model's authors set that its config.json does not state (HF configs carry the
+    # library's initializer_range 0.02), and where they come from.
+    provider: Mapping[str, Any] = field(default_factory=dict)
+    provider_source: str = ""
 
     @property
     def config_dir(self) -> Path:
@@ -75,6 +83,10 @@ MODELS: dict[str, ModelSpec] = {
             hf_id="moonshotai/Kimi-K2-Instruct",
             published_params_b=(1040.0, 32.0),
             source="Kimi K2 technical report (arXiv 2507.20534)",
+            pretrain_tokens=15.5e12,  # the report's pre-training corpus, one pass
+            provider={"init_method_std": 0.006},
+            provider_source=("init std 0.006: DeepSeek-V3 report (arXiv 2412.19437, sec. 4.2), the architecture Kimi "
+                             "K2 scales; Megatron Bridge's KimiK2Provider sets it too"),
         ),
         _qwen3("qwen3_0p6b", "Qwen3-0.6B", 0.6),
         _qwen3("qwen3_1p7b", "Qwen3-1.7B", 1.7),
@@ -84,7 +96,7 @@ MODELS: dict[str, ModelSpec] = {
         _qwen3("qwen3_32b", "Qwen3-32B", 32.8),
         _qwen3("qwen3_30b_a3b", "Qwen3-30B-A3B", 30.5, 3.3),
         _qwen3("qwen3_235b_a22b", "Qwen3-235B-A22B", 235.0, 22.0),
-        *(
+        *(  # proxies keep their config's initializer_range and the template length (their recipes set 50 its)
             ModelSpec(name=f"{full}_proxy", display=display, family=family, hf_id="-", published_params_b=None,
                       source=f"tiny model with {full}'s config keys and architecture", proxy_of=full)
             for full, display, family in (

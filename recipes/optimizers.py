@@ -177,13 +177,13 @@ MOONLIGHT = OptimizerPreset(
     ns_coefficients="simple",  # emerging-optimizers' "simple" = [(3.4445, -4.7750, 2.0315)]
 )
 
-# Kimi K2 (arXiv 2507.20534: MuonClip and the pre-training recipe): 15.5 T tokens at ~67 M tokens per batch
-# (2**26), 500 warm-up steps, 2e-4 constant for 10 T tokens, cosine to 2e-5 over the last 5.5 T tokens;
-# weight decay 0.1; MuonClip tau 100.
-_KIMI_K2_STEPS = 15.5e12 / 2**26  # ~230,968 optimizer steps
+# Kimi K2 (arXiv 2507.20534: MuonClip and the pre-training recipe): 15.5 T tokens, 500 warm-up steps, 2e-4
+# constant for 10 T tokens, cosine to 2e-5 over the last 5.5 T tokens; weight decay 0.1; MuonClip tau 100.
+# Warm-up is stated in steps, the decay in tokens: the decay is a fraction of train.train_iters, which
+# recipes.Recipe.train_iters sizes to 15.5 T tokens at the layout's tokens per step.
 KIMI_K2_SCHEDULE = {
-    "lr_warmup_fraction": 500 / _KIMI_K2_STEPS,  # ~0.00216 of train.train_iters
-    "lr_wsd_decay_fraction": 5.5 / 15.5,  # cosine over the final ~35.5 % of train.train_iters
+    "lr_warmup_iters": 500,
+    "lr_wsd_decay_fraction": 5.5 / 15.5,  # cosine over the final ~35.5 % of train.train_iters (5.5 T of 15.5 T)
 }
 
 KIMI_K2 = replace(
@@ -196,8 +196,7 @@ KIMI_K2 = replace(
         scheduler={
             "lr_decay_style": "WSD",  # warm-up, constant, then the WSD decay below
             "lr_wsd_decay_style": "cosine",
-            "lr_warmup_iters": 0,
-            "lr_warmup_fraction": KIMI_K2_SCHEDULE["lr_warmup_fraction"],
+            "lr_warmup_iters": KIMI_K2_SCHEDULE["lr_warmup_iters"],  # steps, whatever train.train_iters is
             "lr_decay_iters": None,  # train.train_iters
             "lr_wsd_decay_iters": None,  # resolved from lr_wsd_decay_fraction by bridge_ext.muon.resolve_schedule
         },

@@ -12,7 +12,7 @@ import pytest
 
 from bridge_ext.stack import optimizer_muon_fields
 from recipes import get_recipe
-from recipes.optimizers import KIMI_K2_SCHEDULE, PRESETS
+from recipes.optimizers import PRESETS
 
 MUON_PRESETS = ("moonlight", "kimi_k2")
 
@@ -41,8 +41,9 @@ def test_kimi_k2_fields_are_pinned():
     assert dict(p.model) == {"qk_clip": True, "qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5,
                              "log_max_attention_logit": True}
     s = p.scheduler
-    assert (s["lr_decay_style"], s["lr_wsd_decay_style"], s["lr_warmup_iters"]) == ("WSD", "cosine", 0)
-    assert s["lr_warmup_fraction"] == pytest.approx(500 / (15.5e12 / 2**26))
+    # the report's 500 warm-up steps, whatever the run length (not a fraction of train.train_iters)
+    assert (s["lr_decay_style"], s["lr_wsd_decay_style"], s["lr_warmup_iters"]) == ("WSD", "cosine", 500)
+    assert s.get("lr_warmup_fraction") is None
     assert p.schedule_fractions["lr_wsd_decay_fraction"] == pytest.approx(5.5 / 15.5)
     assert (s["start_weight_decay"], s["end_weight_decay"]) == (0.1, 0.1)
 
@@ -108,13 +109,12 @@ def _scheduler_lrs(preset_name: str, train_iters: int, iterations: list[int], *,
 
 
 def test_kimi_k2_schedule_shape_on_1000_iterations():
-    its = [0, 1, 2, 3, 100, 500, 645, 646, 823, 999, 1000]
+    its = [0, 1, 250, 500, 600, 645, 646, 823, 999, 1000]
     lrs, wds, cfg = _scheduler_lrs("kimi_k2", 1000, its, overrides={})
     assert cfg.scheduler.lr_wsd_decay_iters == round(1000 * 5.5 / 15.5) == 355
-    warmup = KIMI_K2_SCHEDULE["lr_warmup_fraction"] * 1000  # 2.16 iterations
-    assert lrs[0] == 0.0
-    assert lrs[1] == pytest.approx(2e-4 * 1 / warmup) and lrs[2] == pytest.approx(2e-4 * 2 / warmup)
-    for it in (3, 100, 500, 645):  # constant peak until the last 355 iterations
+    assert lrs[0] == 0.0  # linear warm-up over the report's 500 steps
+    assert lrs[1] == pytest.approx(2e-4 / 500, rel=1e-12) and lrs[250] == pytest.approx(1e-4, rel=1e-12)
+    for it in (500, 600, 645):  # constant peak until the last 355 iterations
         assert lrs[it] == pytest.approx(2e-4, rel=1e-12), it
     assert lrs[646] < 2e-4
     mid = 2e-5 + 0.5 * (1 + math.cos(math.pi * (823 - 645) / 355)) * (2e-4 - 2e-5)
@@ -143,7 +143,7 @@ def test_resolve_schedule_recomputes_its_own_value_but_keeps_explicit_ones():
     assert resolve_schedule(cfg, preset) == {"lr_wsd_decay_iters": 710}
     cfg.scheduler.lr_wsd_decay_iters = 123  # explicit
     assert resolve_schedule(cfg, preset) == {} and cfg.scheduler.lr_wsd_decay_iters == 123
-    assert cfg.scheduler.lr_warmup_fraction == pytest.approx(KIMI_K2_SCHEDULE["lr_warmup_fraction"])
+    assert cfg.scheduler.lr_warmup_iters == 500 and cfg.scheduler.lr_warmup_fraction is None
 
 
 def test_moonlight_weight_decay_is_not_overridden_by_the_scheduler():
