@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -263,12 +264,23 @@ def _train(recipe, cfg, *, device: str, data: str) -> int:
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
     say(f"data: {prepared.data}", file=sys.stderr)
+    from bridge_ext.kill_safe import stop_line
+
+    if stop_line(cfg):
+        say(stop_line(cfg), file=sys.stderr)
     callbacks = []
     if prepared.use_cpu:  # one process: record the loss curve next to the checkpoints
         run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")
         losses = run_dir / "losses.jsonl"
         callbacks.append(training.loss_recorder(losses))
-    training.run_pretrain(cfg, prepared, callbacks=callbacks)
+    stopped = training.run_pretrain(cfg, prepared, callbacks=callbacks)
+    if stopped:
+        from bridge_ext.checkpoints import read_tracker
+
+        step = read_tracker(cfg.checkpoint.save)[0] if cfg.checkpoint.save else None
+        say(f"stopped on {signal.Signals(cfg.train.exit_signal).name}"
+            + (f" at iteration {step}, saved to {cfg.checkpoint.save}; run the same command to resume"
+               if step is not None else " (nothing saved)"), file=sys.stderr)
     if prepared.use_cpu:
         curve = run_dir / "loss.png"
         training.write_loss_curve(losses, curve, title=f"{recipe.name}, {recipe.preset.name} preset")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_ext import checkpoints
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
 
@@ -604,48 +605,9 @@ def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str |
 # Megatron checkpoint discovery
 # ---------------------------------------------------------------------------------------------------------
 
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-def _is_iteration_dir(path: Path) -> bool:
-    """A torch_dist iteration directory (``.metadata`` from torch DCP, ``common.pt`` from Megatron)."""
-    return path.is_dir() and (path / ".metadata").is_file() and (
-        (path / "common.pt").is_file() or (path / "metadata.json").is_file()
-    )
-
-
-def find_iteration(ckpt: str | Path, iteration: int | None = None) -> tuple[Path, int]:
-    """The iteration directory of a Megatron checkpoint root (latest complete one by default) and its number.
-
-    Accepts a root with ``iter_XXXXXXX`` directories (what Megatron Bridge training and ``import`` write) or
-    one iteration directory itself.
-    """
-    ckpt = Path(ckpt)
-    if not ckpt.exists():
-        raise UserError(f"--ckpt {ckpt} does not exist")
-    if not ckpt.is_dir():
-        raise UserError(f"--ckpt {ckpt} is not a directory")
-    match = _ITER_RE.match(ckpt.name)
-    if _is_iteration_dir(ckpt):
-        number = int(match.group(1)) if match else 0
-        if iteration is not None and iteration != number:
-            raise UserError(f"--ckpt {ckpt} is iteration {number}, not {iteration}; pass the checkpoint root instead")
-        return ckpt, number
-    found = {int(m.group(1)): p for p in ckpt.iterdir() if (m := _ITER_RE.match(p.name)) and p.is_dir()}
-    complete = {n: p for n, p in found.items() if _is_iteration_dir(p)}
-    if not complete:
-        if found:
-            raise UserError(f"--ckpt {ckpt}: no complete iteration (iter_* directories lack torch_dist metadata)")
-        raise UserError(
-            f"--ckpt {ckpt} is not a Megatron checkpoint (no iter_XXXXXXX directories with torch_dist files)"
-        )
-    if iteration is None:
-        number = max(complete)
-        return complete[number], number
-    if iteration not in complete:
-        listed = ", ".join(str(n) for n in sorted(complete)[-8:])
-        raise UserError(f"--iteration {iteration} not found in {ckpt}; available: {listed}")
-    return complete[iteration], iteration
+# Which iteration to export: the one a rerun of the training command resumes from (bridge_ext.checkpoints,
+# shared with training), or a complete one chosen with --iteration.
+find_iteration = checkpoints.find_iteration
 
 
 def _read_run_config(iter_dir: Path) -> dict[str, Any]:

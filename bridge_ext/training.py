@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -75,21 +77,37 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
     return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks)
 
 
-def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> None:
-    """Megatron Bridge's ``pretrain()`` with its GPT ``forward_step``."""
+def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> bool:
+    """Megatron Bridge's ``pretrain()`` with its GPT ``forward_step``, kill-safe (``bridge_ext.kill_safe``).
+
+    Returns True when the run stopped early on its exit signal (SIGTERM) after saving, False otherwise.
+    """
     import torch
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from bridge_ext import kill_safe
+
+    kill_safe.install_atomic_save()
+    kill_safe.keep_helpers_with_trainer()
+    note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
+    stop = kill_safe.graceful_stop()
     if prepared.use_cpu:
         from bridge_ext.cpu_mode import init_single_process_distributed
 
         init_single_process_distributed()  # in-memory store: no port, no launcher needed
     try:
-        pretrain(cfg, forward_step, callbacks=[*prepared.callbacks, *callbacks])
+        pretrain(cfg, forward_step, callbacks=[*prepared.callbacks, *callbacks, stop])
+    except SystemExit as exc:  # Megatron Bridge ends a run stopped by its exit signal with sys.exit(0)
+        if exc.code not in (0, None) or not stop.received:
+            raise
     finally:
+        stop.release()
         if prepared.use_cpu and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    return stop.received
 
 
 def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):

@@ -284,31 +284,21 @@ def test_safetensors_header_reader_matches_safetensors(qwen3_hf):
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
-def _fake_iteration(root: Path, number: int, *, complete: bool = True) -> Path:
+def _fake_iteration(root: Path, number: int) -> Path:
+    """An iteration directory whose save was interrupted after its data files (which iteration export picks is
+    tested in tests/test_kill_safe.py)."""
     path = root / f"iter_{number:07d}"
     path.mkdir(parents=True)
-    if complete:
-        (path / ".metadata").write_bytes(b"x")
-        (path / "common.pt").write_bytes(b"x")
+    (path / "common.pt").write_bytes(b"x")
     return path
-
-
-def test_find_iteration_latest_complete_and_explicit(tmp_path):
-    _fake_iteration(tmp_path, 2)
-    _fake_iteration(tmp_path, 10)
-    _fake_iteration(tmp_path, 12, complete=False)  # a save that was interrupted
-    assert find_iteration(tmp_path) == (tmp_path / "iter_0000010", 10)
-    assert find_iteration(tmp_path, 2) == (tmp_path / "iter_0000002", 2)
-    assert find_iteration(tmp_path / "iter_0000002") == (tmp_path / "iter_0000002", 2)
-    expect_user_error("--iteration 5 not found .* available: 2, 10", find_iteration, tmp_path, 5)
 
 
 def test_export_bad_inputs_leave_nothing(qwen3_hf, tmp_path):
     out = tmp_path / "out"
     expect_user_error("does not exist", export_hf, tmp_path / "nope", out)
     expect_user_error("is not a Megatron checkpoint", export_hf, qwen3_hf, out)
-    _fake_iteration(tmp_path / "ckpt", 3, complete=False)
-    expect_user_error("no complete iteration", export_hf, tmp_path / "ckpt", out)
+    _fake_iteration(tmp_path / "ckpt", 3)
+    expect_user_error("no tracker .* no iteration is complete either", export_hf, tmp_path / "ckpt", out)
     assert_nothing_written(out)
 
 

@@ -1,0 +1,392 @@
+"""Kill-safe training: a run stopped at any moment resumes.
+
+* :func:`install_atomic_save`: Megatron Bridge 0.3's ``save_checkpoint`` (``training/checkpointing.py``) writes
+  the trackers ``latest_train_state.pt`` and ``latest_checkpointed_iteration.txt`` inside its nested
+  ``train_state_finalize_fn`` *before* ``cfg.to_yaml(config_filename)`` writes ``run_config.yaml`` and before
+  the tokenizer files; a run killed in between names an iteration it can never load. Around that function we
+  let it write the two trackers into the iteration directory instead, and move them into place (``os.replace``)
+  only once every file of the iteration is there and flushed. Upstream code is matched by content
+  (:data:`_SAVE_SNIPPETS`), never by line numbers.
+* :func:`prepare_resume`: the iteration a run loads (``bridge_ext.checkpoints.resume_point``), said in one line
+  when it is not the one the tracker names.
+* :func:`graceful_stop`: Megatron Bridge polls ``state.signal_handler`` when ``train.exit_signal_handler`` is on
+  (``train.py``, ``checkpoint_and_decide_exit``) but never installs it (``DistributedSignalHandler.__enter__``
+  is called nowhere for the trainer); this callback installs it when training starts.
+* :func:`keep_helpers_with_trainer`: helper processes of a save die with the trainer, even on SIGKILL.
+
+Top-level imports stay light: the helper processes import this module to run :func:`exit_with_parent`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_save_function", "exit_with_parent", "graceful_stop", "install_atomic_save", "keep_helpers_with_trainer",
+           "prepare_resume", "stop_line"]
+
+_CKPT_MODULE = "megatron.bridge.training.checkpointing"
+# What the wrapper relies on inside save_checkpoint (both megatron-bridge 0.3.0 and 0.3.1 have them).
+_SAVE_SNIPPETS = (
+    "train_state_global_filename = get_checkpoint_train_state_filename(save_dir, prefix=TRACKER_PREFIX)",
+    "tracker_filename = get_checkpoint_tracker_filename(save_dir)",
+    "cfg.to_yaml(config_filename)",
+    "async_save_request.add_finalize_fn(train_state_finalize_fn)",
+    "schedule_async_save(state, async_save_request)",
+    "cleanup_old_non_persistent_checkpoint(",
+)
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _say(line: str) -> None:
+    if _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Save:
+    """One persistent save in progress (``save_checkpoint`` is running or its async part is queued)."""
+
+    save_dir: str
+    iteration: int
+    staged: dict[str, str] = field(default_factory=dict)  # tracker path -> where upstream wrote it this time
+    keep: int | None = None  # most_recent_k, applied once the save is committed
+    is_async: bool = False
+
+    @property
+    def iter_dir(self) -> str:
+        from bridge_ext.checkpoints import iteration_dir
+
+        return str(iteration_dir(self.save_dir, self.iteration))
+
+
+_active: _Save | None = None
+_saved: set[tuple[str, int]] = set()  # (save dir, iteration) this process saved or resumed from
+
+
+def _same_dir(path: str, save: _Save | None) -> bool:
+    return save is not None and os.path.realpath(path) == os.path.realpath(save.save_dir)
+
+
+# ------------------------------------------------------------------------------------------- atomic save
+def check_save_function() -> None:
+    """``UpstreamDrift`` when the installed ``save_checkpoint`` lacks a line the wrapper relies on."""
+    from bridge_ext.stack import UpstreamDrift, package_of
+
+    save = importlib.import_module(_CKPT_MODULE).save_checkpoint
+    source = inspect.getsource(inspect.unwrap(save))
+    missing = [snippet for snippet in _SAVE_SNIPPETS if snippet not in source]
+    if missing:
+        raise UpstreamDrift(f"{package_of(_CKPT_MODULE)}: save_checkpoint no longer contains {missing[0]!r}; "
+                            "bridge_ext.kill_safe (atomic checkpoint saves) needs updating for this release")
+
+
+def install_atomic_save() -> None:
+    """Make Megatron Bridge's persistent saves commit atomically (idempotent, every rank)."""
+    ckpt = importlib.import_module(_CKPT_MODULE)
+    if getattr(ckpt.save_checkpoint, "_kill_safe", False):
+        return
+    check_save_function()
+    importlib.import_module("megatron.bridge.training.train")  # holds its own reference to save_checkpoint
+    original = ckpt.save_checkpoint
+    wrapped = _atomic(original)
+    for module in list(sys.modules.values()):  # every module that imported the function by name
+        if getattr(module, "__name__", "").startswith("megatron.bridge") and \
+                getattr(module, "save_checkpoint", None) is original:
+            module.save_checkpoint = wrapped
+    tracker, train_state = ckpt.get_checkpoint_tracker_filename, ckpt.get_checkpoint_train_state_filename
+    ckpt.get_checkpoint_tracker_filename = functools.wraps(tracker)(
+        lambda checkpoints_path: _staged(tracker(checkpoints_path), checkpoints_path))
+    ckpt.get_checkpoint_train_state_filename = functools.wraps(train_state)(
+        lambda checkpoints_path, prefix=None: train_state(checkpoints_path, prefix=prefix) if prefix is None
+        else _staged(train_state(checkpoints_path, prefix=prefix), checkpoints_path))
+    ckpt.schedule_async_save = _scheduling(ckpt.schedule_async_save)
+    ckpt.cleanup_old_non_persistent_checkpoint = _deferred_cleanup(ckpt.cleanup_old_non_persistent_checkpoint)
+
+
+def _staged(path: str, checkpoints_path: str) -> str:
+    """During a save, the trackers of its directory are written next to the iteration's files instead."""
+    if not _same_dir(checkpoints_path, _active):
+        return path  # loading, or a save this module does not handle
+    staged = os.path.join(_active.iter_dir, f".commit.{os.path.basename(path)}")
+    _active.staged[path] = staged
+    return staged
+
+
+def _atomic(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        global _active
+        arguments = signature.bind(*args, **kwargs).arguments
+        state = arguments["state"]
+        ckpt_cfg = state.cfg.checkpoint
+        if arguments.get("non_persistent_ckpt") or not ckpt_cfg.save or _active is not None or \
+                "://" in str(ckpt_cfg.save):
+            return original(*args, **kwargs)  # non-persistent saves keep their own tracker; object stores no rename
+        save = _Save(save_dir=str(ckpt_cfg.save), iteration=int(state.train_state.step))
+        key = (os.path.realpath(save.save_dir), save.iteration)
+        if key in _saved:  # pretrain() saves again after the loop's save of the same step (pretrain.py)
+            _say(f"iteration {save.iteration} is already saved in {save.save_dir}; not saving it again")
+            return None
+        if _rank() == 0:
+            _uncommit(save)
+        _active = save
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _active = None
+        if not save.is_async:
+            _commit(save)
+        _saved.add(key)
+        return result
+
+    save_checkpoint._kill_safe = True
+    return save_checkpoint
+
+
+def _scheduling(original):
+    @functools.wraps(original)
+    def schedule_async_save(global_state: Any, async_request: Any) -> Any:
+        if _active is not None:  # commit after upstream's finalize functions (metadata.json, trackers, config)
+            save, _active.is_async = _active, True
+            async_request.add_finalize_fn(lambda: _commit(save))
+        return original(global_state, async_request)
+
+    return schedule_async_save
+
+
+def _deferred_cleanup(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def cleanup(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        if _same_dir(str(arguments.arguments["save_dir"]), _active):
+            # most_recent_k: upstream deletes before the new iteration is committed, and counts unfinished ones
+            _active.keep = int(arguments.arguments["leave_ckpt_num"])
+            return None
+        return original(*args, **kwargs)
+
+    return cleanup
+
+
+def _uncommit(save: _Save) -> None:
+    """Before rewriting the iteration the tracker names (a rewound run), point the tracker at the one before."""
+    from bridge_ext.checkpoints import TRACKER_PT, TRACKER_TXT, is_complete, iteration_dir, iterations, read_tracker
+
+    if read_tracker(save.save_dir)[0] != save.iteration or not os.path.isdir(save.iter_dir):
+        return
+    root = Path(save.save_dir)
+    older = [n for n, path in iterations(root).items() if n < save.iteration and is_complete(path)]
+    if not older:
+        for name in (TRACKER_PT, TRACKER_TXT):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(root / name)
+        _fsync(root)
+        return
+    _replace_atomically(root / TRACKER_PT, (iteration_dir(root, older[-1]) / "train_state.pt").read_bytes())
+    _replace_atomically(root / TRACKER_TXT, str(older[-1]).encode())
+    _fsync(root)
+
+
+def _commit(save: _Save) -> None:
+    """Rank 0: flush the iteration, then move its trackers into place; then apply most_recent_k."""
+    from bridge_ext.checkpoints import missing_files
+
+    if _rank() != 0:
+        return
+    missing = missing_files(save.iter_dir) + [os.path.basename(p) for p in save.staged.values() if not os.path.exists(p)]
+    if missing or not save.staged:
+        raise RuntimeError(f"the save of iteration {save.iteration} left {save.iter_dir} without "
+                           f"{', '.join(missing) or 'its trackers'}; it is not marked as the latest checkpoint")
+    for directory, _, files in os.walk(save.iter_dir):
+        for name in files:
+            if not name.endswith(".distcp"):  # data files: each writer fsyncs its own (filesystem_async, use_fsync)
+                _fsync(os.path.join(directory, name))
+        _fsync(directory)
+    for tracker, staged in save.staged.items():  # latest_train_state.pt (read first), then the .txt
+        os.replace(staged, tracker)
+    _fsync(save.save_dir)
+    if save.keep and save.keep > 0:
+        _keep_most_recent(save)
+
+
+def _keep_most_recent(save: _Save) -> None:
+    """Upstream's most_recent_k, on complete iterations up to the committed one; never anything newer."""
+    from bridge_ext.checkpoints import is_complete, iterations
+
+    found = iterations(save.save_dir)
+    keep = [n for n, path in found.items() if n <= save.iteration and is_complete(path)][-save.keep:]
+    for number, path in found.items():
+        if number < save.iteration and number not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def prepare_resume(cfg: Any) -> str | None:
+    """Decide the iteration this run loads from ``checkpoint.load``; the one line to say, or None.
+
+    When the tracker names an incomplete iteration, ``checkpoint.ckpt_step`` is set to the newest complete
+    one (Megatron Bridge's own way to load a given iteration). A ``UserError`` when there is nothing to resume
+    from but a tracker, or when ``checkpoint.ckpt_step`` names an incomplete iteration.
+    """
+    from bridge_ext.checkpoints import iteration_dir, missing_files, resume_point
+    from bridge_ext.errors import UserError
+
+    _saved.clear()
+    ckpt = cfg.checkpoint
+    if not ckpt.load:
+        return None
+    if ckpt.ckpt_step is not None:
+        missing = missing_files(iteration_dir(ckpt.load, ckpt.ckpt_step))
+        if missing:
+            raise UserError(f"checkpoint.ckpt_step={ckpt.ckpt_step}: iteration {ckpt.ckpt_step} in {ckpt.load} is "
+                            f"incomplete (missing {', '.join(missing)})")
+        return None
+    point = resume_point(ckpt.load)
+    if point.iteration is not None and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save):
+        _saved.add((os.path.realpath(ckpt.save), point.iteration))
+    if point.overrides_tracker:
+        ckpt.ckpt_step = point.iteration
+        return f"resume: {point.note}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- SIGTERM stop
+def stop_line(cfg: Any) -> str | None:
+    """What the run does on its exit signal, for the console at start (None when the handler is off)."""
+    if not cfg.train.exit_signal_handler:
+        return None
+    name = signal.Signals(cfg.train.exit_signal).name
+    if not cfg.checkpoint.save:
+        return f"on {name}: stops after the current iteration (checkpoint.save is unset: nothing is saved)"
+    return f"on {name}: finishes the current iteration, saves a checkpoint to {cfg.checkpoint.save}, exits 0"
+
+
+def graceful_stop():
+    """A Megatron Bridge callback that installs ``state.signal_handler`` when training starts (and removes it
+    when the run ends, :meth:`release`). Repeated signals during the save are absorbed; SIGKILL still stops."""
+    from megatron.bridge.training.callbacks import Callback
+
+    class GracefulStop(Callback):
+        handler: Any = None
+
+        received = False  # whether the exit signal came (the run then stops early, on purpose)
+
+        def on_train_start(self, context: Any) -> None:
+            if not context.state.cfg.train.exit_signal_handler:
+                return
+            handler = context.state.signal_handler
+            current = signal.getsignal(handler.sig)
+            if "DistributedSignalHandler" not in getattr(current, "__qualname__", ""):  # not installed yet
+                handler.__enter__()
+                self.handler = handler
+            upstream = signal.getsignal(handler.sig)
+
+            def note(signum: int, frame: Any) -> None:
+                self.received = True
+                upstream(signum, frame)
+
+            signal.signal(handler.sig, note)
+
+        def release(self) -> None:
+            if self.handler is not None:
+                self.handler.release()
+                self.handler = None
+
+    return GracefulStop()
+
+
+# ------------------------------------------------------------------------------------------ helper processes
+def exit_with_parent(parent_pid: int | None = None) -> None:
+    """In a helper process: be killed when the process that started it dies (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to hold on to
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before prctl took effect
+
+
+class _AfterFork:
+    """Anchor for multiprocessing.util.register_after_fork (it keeps only a weak reference)."""
+
+
+_after_fork_anchor = _AfterFork()
+_managers: list[Any] = []
+
+
+def keep_helpers_with_trainer() -> None:
+    """No process outlives its trainer (idempotent).
+
+    megatron-core's torch_dist writer (``dist_checkpointing/strategies/filesystem_async.py``,
+    ``_get_write_results_queue``) starts a ``multiprocessing`` Manager server with the spawn method at the
+    first save, which in turn starts a resource tracker; a trainer killed with SIGKILL left both running
+    forever. The Manager is started here with :func:`exit_with_parent` as its initializer instead, and every
+    process forked through ``multiprocessing`` (writer processes, data loader workers) gets the same.
+    """
+    import multiprocessing
+    import multiprocessing.util
+
+    if _managers or getattr(_after_fork_anchor, "registered", False):
+        return
+    multiprocessing.util.register_after_fork(
+        _after_fork_anchor, lambda _: exit_with_parent(getattr(multiprocessing.parent_process(), "pid", None)))
+    _after_fork_anchor.registered = True
+    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    factory = getattr(writer, "_get_write_results_queue", None)
+    if factory is None or "Manager()" not in inspect.getsource(factory) or getattr(writer, "_results_queue", 0) is not None:
+        return  # the installed writer keeps no Manager of its own (or already started it)
+
+    @functools.wraps(factory)
+    def results_queue() -> Any:
+        import multiprocessing
+        import threading
+        from multiprocessing.managers import SyncManager
+
+        # PR_SET_PDEATHSIG fires when the creating *thread* ends: only bind to the main thread
+        if writer._results_queue is None and threading.current_thread() is threading.main_thread():
+            manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+            _managers.append(manager)  # a collected manager shuts its server down
+            writer._results_queue = manager.Queue()
+        return factory()
+
+    writer._get_write_results_queue = results_queue

@@ -1,0 +1,260 @@
+"""Kill-safe training: which iteration is complete, which one a run resumes from and export reads; a proxy run
+killed at every stage of a save resumes with the losses of a straight run; SIGTERM saves and exits 0.
+
+The kill-point test drives `nemo llm pretrain` through tests/kill_driver.py, which forks each command from one
+process that has already imported the stack and signals it at a chosen file write of a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge_ext import checkpoints
+from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
+from bridge_ext.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+COMPLETE = (".metadata", "__0_0.distcp", "common.pt", "metadata.json", "train_state.pt", "run_config.yaml")
+
+
+def make_iteration(root: Path, number: int, files=COMPLETE) -> Path:
+    path = root / f"iter_{number:07d}"
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_bytes(b"x")
+    return path
+
+
+def write_tracker(root: Path, number: int, *, pt: bool = True, txt: bool = True) -> None:
+    if pt:  # what Megatron Bridge writes: TrainState.state_dict(), tensors
+        torch.save({"step": torch.tensor(number, dtype=torch.int32)}, root / "latest_train_state.pt")
+    if txt:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(number))
+
+
+def user_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(UserError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------------ which iteration
+def test_missing_files_names_what_a_resume_needs(tmp_path):
+    assert checkpoints.missing_files(make_iteration(tmp_path, 10)) == []
+    assert checkpoints.missing_files(make_iteration(tmp_path, 20, COMPLETE[:5])) == ["run_config.yaml"]
+    assert checkpoints.missing_files(make_iteration(tmp_path, 30, ("common.pt", "__0_0.distcp"))) == [
+        ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
+    assert checkpoints.missing_files(make_iteration(tmp_path, 40, ())) == [
+        "common.pt", ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
+    # fsdp_dtensor: plain torch DCP, no Megatron common.pt / metadata.json
+    assert checkpoints.missing_files(make_iteration(tmp_path, 50, (".metadata", "train_state.pt"))) == ["run_config.yaml"]
+    assert checkpoints.missing_files(tmp_path / "iter_0000060") == ["the directory"]
+
+
+def test_resume_point_follows_the_tracker_and_falls_back_to_the_newest_complete(tmp_path):
+    assert resume_point(tmp_path) == checkpoints.ResumePoint(None, None)  # nothing saved yet: from scratch
+    for n in (10, 20):
+        make_iteration(tmp_path, n)
+    make_iteration(tmp_path, 30, COMPLETE[:5])  # killed after the trackers, before run_config.yaml
+    make_iteration(tmp_path, 40)  # complete but never committed: the tracker is the commit point
+    write_tracker(tmp_path, 20)
+    assert resume_point(tmp_path) == checkpoints.ResumePoint(20, 20)
+    write_tracker(tmp_path, 30)
+    point = resume_point(tmp_path)
+    assert (point.iteration, point.tracker, point.overrides_tracker) == (20, 30, True)
+    assert point.note == (f"iteration 30 in {tmp_path} is incomplete (missing run_config.yaml); "
+                          "using iteration 20, the newest complete one")
+    # Megatron Bridge reads latest_train_state.pt first; the text tracker is Megatron-LM's
+    write_tracker(tmp_path, 10, txt=False)
+    assert resume_point(tmp_path).iteration == 10
+    (tmp_path / "latest_train_state.pt").write_bytes(b"cut short")
+    assert read_tracker(tmp_path) == (30, f"{tmp_path / 'latest_train_state.pt'} is unreadable (UnpicklingError)")
+
+
+def test_resume_point_refuses_when_nothing_complete_is_left(tmp_path):
+    make_iteration(tmp_path, 10, COMPLETE[:4])
+    write_tracker(tmp_path, 10)
+    message = user_error(resume_point, tmp_path)
+    assert message == (f"iteration 10 in {tmp_path} is incomplete (missing train_state.pt, run_config.yaml) and "
+                       f"no earlier iteration is complete; nothing to resume from (move {tmp_path} away to start "
+                       "afresh)")
+
+
+def test_export_picks_what_training_resumes_from(tmp_path):
+    for n in (2, 10):
+        make_iteration(tmp_path, n)
+    make_iteration(tmp_path, 12, COMPLETE[1:3])  # a save interrupted after its data files
+    write_tracker(tmp_path, 12)
+    assert find_iteration(tmp_path) == (tmp_path / "iter_0000010", 10)
+    assert find_iteration(tmp_path, 2) == (tmp_path / "iter_0000002", 2)
+    assert find_iteration(tmp_path / "iter_0000002") == (tmp_path / "iter_0000002", 2)
+    assert user_error(find_iteration, tmp_path, 12) == (
+        f"--iteration 12 in {tmp_path} is incomplete (missing .metadata, metadata.json, train_state.pt, "
+        "run_config.yaml); complete: 2, 10")
+    assert user_error(find_iteration, tmp_path, 5) == f"--iteration 5 not found in {tmp_path}; available: 2, 10"
+    assert user_error(find_iteration, tmp_path / "iter_0000012").startswith(
+        f"--ckpt {tmp_path / 'iter_0000012'} is incomplete (missing .metadata, metadata.json")
+    for name in ("latest_train_state.pt", "latest_checkpointed_iteration.txt"):
+        (tmp_path / name).unlink()
+    assert user_error(find_iteration, tmp_path) == (
+        f"--ckpt {tmp_path} has no tracker (latest_train_state.pt or latest_checkpointed_iteration.txt): no save "
+        "finished, a run would start from scratch; pass --iteration N to export a complete one (2, 10)")
+
+
+def test_a_changed_save_function_is_refused(monkeypatch):
+    from bridge_ext import kill_safe
+    from bridge_ext.stack import UpstreamDrift
+
+    kill_safe.check_save_function()  # the installed Megatron Bridge has every line the wrapper relies on
+    monkeypatch.setattr(kill_safe, "_SAVE_SNIPPETS", (*kill_safe._SAVE_SNIPPETS, "write_tracker_last(save_dir)"))
+    with pytest.raises(UpstreamDrift, match="save_checkpoint no longer contains 'write_tracker_last"):
+        kill_safe.check_save_function()
+
+
+# ---------------------------------------------------------------------------------------- kill-point test
+class Driver:
+    """tests/kill_driver.py in a subprocess; :meth:`run` forks one `nemo` command and waits for it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.count = tmp, 0
+        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "kill_driver.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp)
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+    def run(self, *argv: str, events: tuple[dict, ...] = ()) -> dict:
+        self.count += 1
+        log = self.tmp / f"run{self.count:02d}.log"
+        request = {"argv": list(argv), "cwd": str(self.tmp), "log": str(log), "events": list(events)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline())
+        return dict(reply, log=log.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def losses(path: Path, skip: int = 0) -> list[tuple[int, float]]:
+    """(iteration, loss) records of losses.jsonl after its first ``skip`` lines."""
+    lines = path.read_text().splitlines()[skip:] if path.exists() else []
+    return [(r["iteration"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+ITERS, INTERVAL, KEEP = 10, 2, 2
+# (what the kill leaves behind, the driver's events, the iteration training then resumes from)
+KILLS = (
+    ("iteration 2 committed, killed as iteration 3 starts", ({"step": 3, "signal": "KILL"},), 2),
+    ("iter_0000004 created, nothing in it", ({"before": "common.pt", "iteration": 4, "signal": "KILL"},), 2),
+    ("common.pt and data files written", ({"before": ".metadata", "iteration": 4, "signal": "KILL"},), 2),
+    ("torch DCP .metadata written", ({"before": "metadata.json", "iteration": 4, "signal": "KILL"},), 2),
+    ("Megatron metadata.json written", ({"before": "train_state.pt", "iteration": 4, "signal": "KILL"},), 2),
+    ("iteration train state written", (
+        {"before": ".commit.latest_train_state.pt", "iteration": 4, "signal": "KILL"},), 2),
+    ("trackers written (upstream: before run_config.yaml)", (
+        {"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},), 2),
+    ("run_config.yaml written, tokenizer files not", (
+        {"before": "tokenizer.json", "iteration": 4, "signal": "KILL"},), 2),
+    ("latest_train_state.pt moved to 4, latest_checkpointed_iteration.txt not", (
+        {"before": "latest_checkpointed_iteration.txt", "iteration": 4, "signal": "KILL"},), 4),
+    ("SIGTERM in iteration 5, a second one during its save: saved, exit 0", (
+        {"step": 5, "signal": "TERM"}, {"before": "common.pt", "iteration": 5, "signal": "TERM"}), 5),
+    ("SIGTERM in iteration 7, SIGKILL during its save (before run_config.yaml)", (
+        {"step": 7, "signal": "TERM"}, {"before": "run_config.yaml", "iteration": 7, "signal": "KILL"}), 6),
+)
+
+
+@pytest.mark.slow
+def test_killed_at_every_stage_of_a_save_resumes_exactly(tmp_path):
+    """qwen3_proxy_muon, 10 iterations, a save every 2, keeping 2: one straight run, then the same command run
+    again and again, each run killed at another moment (KILLS); each rerun resumes where training and export
+    say it does, with the straight run's losses bit for bit; no helper process outlives a run."""
+    driver = Driver(tmp_path)
+    try:
+        def pretrain(run: Path, *, events=()):
+            return driver.run("llm", "pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={run}",
+                              f"checkpoint.load={run}", f"train.train_iters={ITERS}",
+                              f"checkpoint.save_interval={INTERVAL}", f"checkpoint.most_recent_k={KEEP}",
+                              events=events)
+
+        straight = pretrain(tmp_path / "straight")
+        assert straight["status"] == 0 and straight["survivors"] == [], straight["log"][-3000:]
+        assert "on SIGTERM: finishes the current iteration, saves a checkpoint to" in straight["log"]
+        assert f"iteration {ITERS} is already saved in" in straight["log"]  # pretrain()'s second save skipped
+        reference = dict(losses(tmp_path / "straight" / "losses.jsonl"))
+        assert sorted(reference) == list(range(1, ITERS + 1))
+
+        run, record = tmp_path / "run", tmp_path / "run" / "losses.jsonl"
+        resumed_from = 0
+        for what, events, resumes in KILLS:
+            skip = len(record.read_text().splitlines()) if record.exists() else 0
+            result = pretrain(run, events=events)
+            assert result["fired"] == list(events), (what, result["log"][-3000:])
+            stopped_by_term = events[-1]["signal"] == "TERM"
+            assert result["status"] == (0 if stopped_by_term else -9), (what, result["log"][-3000:])
+            assert result["survivors"] == [], what
+            got = losses(record, skip)
+            assert got[0][0] == resumed_from + 1, what  # resumed where the previous kill said it would
+            assert all(loss == reference[it] for it, loss in got), (what, got)
+            if stopped_by_term:
+                assert f"stopped on SIGTERM at iteration {resumes}, saved to {run}" in result["log"]
+            assert find_iteration(run)[1] == resumes, what  # export reads what the next run will load
+            resumed_from = resumes
+
+        # The upstream failure, as a save without bridge_ext.kill_safe leaves it: iteration 6 is the tracker's
+        # but has no run_config.yaml. The run falls back to 5, says so, and finishes.
+        assert read_tracker(run)[0] == 6
+        (run / "iter_0000006" / "run_config.yaml").unlink()
+        assert find_iteration(run)[1] == 5
+        skip = len(record.read_text().splitlines())
+        last = pretrain(run)
+        assert last["status"] == 0 and last["survivors"] == [], last["log"][-3000:]
+        assert (f"resume: iteration 6 in {run} is incomplete (missing run_config.yaml); using iteration 5, the newest "
+                "complete one") in last["log"]
+        got = losses(record, skip)
+        assert [it for it, _ in got] == list(range(6, ITERS + 1))
+        assert all(loss == reference[it] for it, loss in got), got
+        assert read_tracker(run)[0] == ITERS
+        assert sorted(checkpoints.iterations(run)) == [8, 10]  # most_recent_k=2, applied after each commit
+        assert sorted(checkpoints.iterations(tmp_path / "straight")) == [8, 10]
+    finally:
+        driver.close()
+
+
+@pytest.mark.slow
+def test_export_refuses_an_unfinished_iteration_and_exports_the_resumed_one(tmp_path):
+    """A run killed after its trackers but before run_config.yaml (where Megatron Bridge's own save leaves an
+    unloadable iteration): export takes the committed iteration, and --iteration of the unfinished one is
+    refused in one line."""
+    driver = Driver(tmp_path)
+    try:
+        run = tmp_path / "run"
+        result = driver.run("llm", "pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={run}",
+                            f"checkpoint.load={run}", "train.train_iters=6", "checkpoint.save_interval=2",
+                            events=({"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},))
+        assert result["status"] == -9, result["log"][-3000:]
+        names = set(os.listdir(run / "iter_0000004"))
+        assert {".metadata", "common.pt", "metadata.json", "train_state.pt", ".commit.latest_train_state.pt",
+                ".commit.latest_checkpointed_iteration.txt"} <= names and "run_config.yaml" not in names, names
+        assert read_tracker(run)[0] == 2  # upstream alone would say 4 here
+        refused = driver.run("llm", "export", "--ckpt", str(run), "--iteration", "4", "--out", str(tmp_path / "x"))
+        assert refused["status"] == 2
+        assert (f"error: --iteration 4 in {run} is incomplete (missing run_config.yaml); complete: 2"
+                in refused["log"].splitlines())
+        assert not (tmp_path / "x").exists()
+        exported = driver.run("llm", "export", "--ckpt", str(run), "--out", str(tmp_path / "hf"))
+        assert exported["status"] == 0, exported["log"][-3000:]
+        assert f"iteration 2 from {run / 'iter_0000002'}" in exported["log"]
+        assert (tmp_path / "hf" / "config.json").is_file()
+    finally:
+        driver.close()
