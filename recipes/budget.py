@@ -14,7 +14,7 @@ __all__ = ["UNSTATED_TRAIN_ITERS", "RunLength", "iters_for_tokens", "run_length"
 
 # Megatron Bridge's pretrain template length (recipes/common.py::_pretrain_common, both 0.3 releases), kept
 # for models without a published token budget; pinned here so that `info` needs no Megatron import
-# (tests/test_fidelity.py checks it against the installed template).
+# (tests/test_upstream_fidelity.py checks it against the installed template).
 UNSTATED_TRAIN_ITERS = 300_000
 
 

@@ -116,6 +116,8 @@ NVIDIA_PERF = OptimizerPreset(
         "muon_tp_mode": "blockwise",
         "muon_split_qkv": True,
         "use_distributed_optimizer": False,  # layer-wise Muon cannot share params with the byte-sharded one
+        # The helper leaves OptimizerConfig's Adam default for the parameters Muon does not take.
+        "adam_beta2": 0.999,
     },
     scheduler=_COMMON_SCHEDULER,
     ddp={"use_distributed_optimizer": False, "overlap_param_gather": False},
@@ -127,7 +129,7 @@ ADAMW = derive(
     kind="adamw",
     summary="AdamW (betas 0.9/0.95, eps 1e-8) with the distributed optimizer: the A/B baseline",
     source="Megatron Bridge 0.3 recipes/utils/optimizer_utils.py::distributed_fused_adam_with_cosine_annealing",
-    optimizer={"optimizer": "adam", "use_distributed_optimizer": True},
+    optimizer={"optimizer": "adam", "use_distributed_optimizer": True, "adam_beta2": 0.95},  # the Adam helper's
     ddp={"use_distributed_optimizer": True, "overlap_param_gather": True},
 )
 
