@@ -268,9 +268,7 @@ def test_moonlight_update_matches_the_paper(proxy):
     print(f"moonlight update vs paper formula (fp32): relative difference {rel:.2e}")
     assert rel < 1e-3
 
-    # The update RMS is what Moonlight designs for: 0.2 * sqrt(max(A, B)) * ||O||_rms ~ 0.2 (times lr)
-    rms = float(((ours - w0 * (1 - lr * wd) ** 2) / lr).pow(2).mean().sqrt()) / 2
-    assert 0.1 < rms < 0.3, rms
+    # the update's RMS on a matrix whose Newton-Schulz output is known exactly: test_update_rms_of_a_known_matrix
 
     # The preset's bf16 Newton-Schulz ("medium") stays close; megatron-core's default coefficients do not.
     _, bf16, _ = _run_optimizer(cfg, model, name, grads, precision="medium", coefficients="simple")
@@ -280,6 +278,43 @@ def test_moonlight_update_matches_the_paper(proxy):
     print(f"bf16 NS: {rel_bf16:.2e}; quintic coefficients: {rel_quintic:.2e}")
     assert rel_bf16 < 3e-2
     assert rel_quintic > 3e-2
+
+
+def _kj_singular_value(s: float, steps: int = 5) -> float:
+    """Where Keller Jordan's Newton-Schulz polynomial p(s) = a s + b s^3 + c s^5 takes one singular value."""
+    a, b, c = KJ
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+@pytest.mark.slow
+def test_update_rms_of_a_known_matrix(proxy):
+    """Moonlight's update RMS, 0.2 * lr * sigma, on a gradient with equal singular values.
+
+    G = 0.01 Q (Q: 96 x 48, orthonormal columns). Newton-Schulz normalizes it to singular values 1/sqrt(48)
+    and maps each through p five times to sigma, so O = sigma Q and the update 0.2 sqrt(96) O has RMS
+    0.2 sqrt(96) sigma sqrt(48 / (96 x 48)) = 0.2 sigma: ~2e-3 at the proxies' lr 1e-2. Without the 0.2 factor
+    it would be 5x larger; with AdamW-like scaling, or sqrt(min) instead of sqrt(max), different again.
+    """
+    import torch
+
+    cfg, model = proxy
+    name = "module.decoder.layers.1.self_attention.linear_q_up_proj.weight"
+    q, _ = torch.linalg.qr(torch.randn(96, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    w0, ours, group = _run_optimizer(cfg, model, name, [0.01 * q.float()], precision="highest",
+                                     coefficients="simple")
+    lr, wd = group["lr"], group["weight_decay"]
+    update = (w0 * (1 - lr * wd) - ours) / lr  # decoupled weight decay first, then the orthogonalized step
+    sigma = _kj_singular_value(1 / math.sqrt(48))
+    rms = float(update.pow(2).mean().sqrt())
+    print(f"update RMS / lr {rms:.6f}, Moonlight's 0.2 x sigma {0.2 * sigma:.6f} (sigma {sigma:.4f}); "
+          f"update RMS {rms * lr:.3e} at lr {lr}")
+    assert lr == pytest.approx(1e-2) and wd == 0.1
+    assert rms == pytest.approx(0.2 * sigma, rel=1e-3)
+    # and every singular value of the update is 0.2 sqrt(96) sigma: the direction is Q's
+    singular = torch.linalg.svdvals(update.double())
+    assert torch.allclose(singular, torch.full_like(singular, 0.2 * math.sqrt(96) * sigma), rtol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------- MuonClip
@@ -511,9 +546,15 @@ def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
         install_ns_coefficients("quintic")
     assert [r["iteration"] for r in telemetry.history] == [2, 4, 6]
     for record in telemetry.history:
-        assert 0 < record["update_rms/muon"] < 0.1 and 0 < record["update_rms/muon_experts"] < 0.1
-        assert 0 <= record["update_rms/adam"] < 0.1
-        assert 0.0 < record["ns_orthogonality_error"] < 1.0
+        # Megatron steps the scheduler after each optimizer step: step i runs at the lr of i - 1 steps of
+        # the proxies' 5-step linear warm-up to 1e-2
+        lr = 1e-2 * (record["iteration"] - 1) / 5
+        # Moonlight: RMS 0.2 x lr x the RMS of Newton-Schulz's singular values, which Keller Jordan's
+        # coefficients put in ~[0.7, 1.1] (0.857 for equal ones: test_update_rms_of_a_known_matrix)
+        for group in ("muon", "muon_experts"):
+            assert 0.75 < record[f"update_rms/{group}"] / (0.2 * lr) < 1.0, (group, record)
+        assert 0.2 < record["update_rms/adam"] / lr < 1.05, record  # |Adam's step| <= lr early on
+        assert 0.25 < record["ns_orthogonality_error"] < 0.6  # "simple" coefficients: ~0.37 (docs/muon.md)
         assert 0.0 < record["max_attention_logit"] < 100.0
     assert len(lines) == 3 and "max_attention_logit" in lines[0]
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
