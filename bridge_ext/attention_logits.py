@@ -120,8 +120,10 @@ class LogitTracker:
         query = args[0] if args else kwargs["query"]
         key = args[1] if len(args) > 1 else kwargs["key"]
         scale = getattr(module, "softmax_scale", None) or 1.0 / math.sqrt(query.shape[-1])
-        mask_type = getattr(module, "attn_mask_type", None)
-        measured = max_logits(query, key, scale, causal=getattr(mask_type, "name", "causal") == "causal")
+        # the call's mask type, else the module's; an enum (Megatron) or a string (TE), "causal" if unknown
+        mask_type = (kwargs.get("attn_mask_type") or (args[4] if len(args) > 4 else None)
+                     or getattr(module, "attn_mask_type", None) or "causal")
+        measured = max_logits(query, key, scale, causal="causal" in str(getattr(mask_type, "name", mask_type)))
         if clip:
             previous = getattr(module, "current_max_attn_logits", None)
             module.current_max_attn_logits = measured if previous is None else torch.maximum(previous, measured)

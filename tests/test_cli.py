@@ -246,7 +246,8 @@ def test_training_validates_for_the_launched_world_size(monkeypatch):
     _, layout, _, checked = cli._resolve(args)
     assert layout.gpus == 8 and checked.data_parallel_size == 4
     monkeypatch.setenv("WORLD_SIZE", "6")  # TP4 cannot split 6 ranks
-    with pytest.raises(cli.UserError, match="6 GPUs are not divisible by tp\\*pp\\*cp=4"):
+    with pytest.raises(cli.UserError, match="6 GPUs are not divisible by model.tensor_model_parallel_size 4 x "
+                                            "pipeline_model_parallel_size 1 x context_parallel_size 1 = 4"):
         cli._resolve(args)
 
 
