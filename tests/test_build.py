@@ -98,9 +98,9 @@ def test_shipped_yaml_matches_the_recipes(rendered):
 
 def test_stack_differences_catches_a_changed_value():
     shipped = {"model": {"_target_": "megatron.bridge.models.mla_provider.MLAModelProvider", "beta_fast": 1.0,
-                         "num_query_groups": 64, "rope_scaling": False}}
+                         "mtp_loss_scaling_factor": 0.1, "rope_scaling": False}}
     built = {"model": {"_target_": "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV3ModelProvider",
-                       "beta_fast": 32, "num_query_groups": None, "max_position_embeddings": 4096}}
+                       "beta_fast": 32, "mtp_loss_scaling_factor": None, "max_position_embeddings": 4096}}
     assert stack_differences(shipped, built) == ["model.beta_fast: shipped 1.0, built 32"]
 
 
