@@ -12,7 +12,7 @@ stdin, one JSON object per line::
                 {"step": 5, "signal": "TERM"}]}                                    # when iteration 5 starts
 
 stdout, one JSON object per line: ``{"status": exit code or -signal, "fired": [...], "survivors": [...],
-"seconds": s}``; ``survivors``: processes of the child's session still alive 20 s after it ended.
+"seconds": s}``; ``survivors``: processes of the child's session still alive 20 s after it ended (zombies are dead and do not count).
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ def _session(sid: int) -> list[str]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.getsid(int(entry)) == sid:
+                with open(f"/proc/{entry}/stat") as f:
+                    dead = f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, waiting for init to reap it
+                if os.getsid(int(entry)) == sid and not dead:
                     with open(f"/proc/{entry}/cmdline", "rb") as f:
                         alive.append(f"{entry}: {f.read().replace(b'\0', b' ').decode(errors='replace')[:200]}")
             except (ProcessLookupError, FileNotFoundError, PermissionError):
@@ -127,13 +129,14 @@ def main() -> None:
             _child(request)
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
+        ran = time.monotonic() - start
         deadline = time.monotonic() + 20
         while (survivors := _session(pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         with open(request["log"]) as f:
             fired = [json.loads(line.split("FIRED ", 1)[1]) for line in f if line.startswith("FIRED ")]
-        print(json.dumps({"status": code, "fired": fired, "survivors": survivors,
-                          "seconds": round(time.monotonic() - start, 2)}), flush=True)
+        print(json.dumps({"status": code, "fired": fired, "survivors": survivors, "seconds": round(ran, 2),
+                          "reaped_after": round(time.monotonic() - start - ran, 2)}), flush=True)
 
 
 if __name__ == "__main__":
