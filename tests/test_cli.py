@@ -225,7 +225,8 @@ def test_pretrain_hands_the_resolved_config_to_megatron_bridge(capsys, monkeypat
     (cfg, step, callbacks), = calls
     assert cfg.optimizer.lr == 1e-4 and cfg.optimizer.optimizer == "dist_muon"
     assert cfg.optimizer.muon_extra_scale_factor == 0.2  # the recipe's moonlight preset
-    assert [type(c).__name__ for c in callbacks] == ["MuonTelemetry"]
+    assert [type(c).__name__ for c in callbacks] == ["MuonTelemetry", "GracefulStop"]
+    assert cfg.train.exit_signal_handler and cfg.train.exit_signal_handler_for_dataloader  # SIGTERM saves
     assert cfg.model.tensor_model_parallel_size == 4 and step.__name__ == "forward_step"
 
 
