@@ -13,6 +13,9 @@ Fixes, and the stacks where they apply (tests/test_compat.py checks both ways on
   Applies with emerging-optimizers 0.3.0; skipped with 0.1.0 (the NeMo 26.02 container's).
 * ``muon-tp-mode-kwarg``: the same file (``TensorParallelMuon.orthogonalize``) calls
   ``newton_schulz_tp(..., mode=...)``; emerging-optimizers 0.3.0 renamed it ``tp_mode``. Same stacks.
+* ``scheduler-warmup-cap``: megatron-bridge 0.3.1 ``training/config.py`` caps ``lr_warmup_steps`` below
+  ``lr_decay_steps`` with a warning (short runs of recipes tuned for long ones); 0.3.0 does not, and
+  megatron-core's scheduler asserts at launch. Applies on 0.3.0 (the container's); skipped on 0.3.1.
 * ``prebuilt-dataset-helpers``: megatron-bridge 0.3 ``training/initialize.py`` calls megatron-core's
   ``datasets/utils.py`` ``compile_helpers()``, which runs ``make`` in a directory where the PyPI wheel ships
   the prebuilt ``helpers_cpp`` extension but no Makefile -> ``sys.exit(1)``. Applies where the Makefile is
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -236,6 +240,45 @@ def _apply_compile_helpers() -> None:
     initialize.compile_helpers = use_prebuilt_helpers
 
 
+# --- megatron-bridge 0.3.0 training/config.py ConfigContainer._calculate_scheduler_steps -------------------
+# 0.3.1 caps lr_warmup_steps at lr_decay_steps - 1 with a warning (a short run of a recipe tuned for a long
+# one); 0.3.0 leaves it, and megatron-core's OptimizerParamScheduler then fails with a bare AssertionError
+# (`assert self.lr_warmup_steps < self.lr_decay_steps`) at launch. Same behaviour on both: cap and warn.
+_MB_CONFIG = "megatron.bridge.training.config"
+
+
+def _warmup_cap_needed() -> bool:
+    from megatron.bridge.training.config import ConfigContainer
+
+    if not hasattr(ConfigContainer, "_calculate_scheduler_steps"):
+        raise UpstreamDrift(f"{package_of(_MB_CONFIG)}: ConfigContainer has no _calculate_scheduler_steps; "
+                            "bridge_ext.compat's warm-up cap needs updating")
+    return "lr_warmup_steps >= self.scheduler.lr_decay_steps" not in inspect.getsource(
+        ConfigContainer._calculate_scheduler_steps)
+
+
+def _apply_warmup_cap() -> None:
+    from megatron.bridge.training.config import ConfigContainer
+    from megatron.bridge.utils.common_utils import warn_rank_0
+
+    original = ConfigContainer._calculate_scheduler_steps
+    if getattr(original, "_bridge_ext_fix", False):
+        return
+
+    def _calculate_scheduler_steps(self) -> None:
+        original(self)
+        scheduler = self.scheduler
+        if scheduler.lr_decay_steps > 0 and scheduler.lr_warmup_steps >= scheduler.lr_decay_steps:
+            capped = scheduler.lr_decay_steps - 1
+            warn_rank_0(f"lr_warmup_steps ({scheduler.lr_warmup_steps}) >= lr_decay_steps ({scheduler.lr_decay_steps}); "
+                        f"capping lr_warmup_steps to {capped}. Reduce lr_warmup_iters (or lr_warmup_samples) for "
+                        "short training runs.")
+            scheduler.lr_warmup_steps = capped
+
+    _calculate_scheduler_steps._bridge_ext_fix = True  # type: ignore[attr-defined]
+    ConfigContainer._calculate_scheduler_steps = _calculate_scheduler_steps
+
+
 STACK_FIXES: tuple[StackFix, ...] = (
     StackFix(
         name="muon-nesterov-kwarg",
@@ -257,6 +300,14 @@ STACK_FIXES: tuple[StackFix, ...] = (
         why="the PyPI wheel has no Makefile for compile_helpers(); its prebuilt helpers_cpp works",
         needed=_compile_helpers_needed,
         apply=_apply_compile_helpers,
+    ),
+    StackFix(
+        name="scheduler-warmup-cap",
+        upstream="megatron/bridge/training/config.py ConfigContainer._calculate_scheduler_steps",
+        why="0.3.0 leaves lr_warmup_steps >= lr_decay_steps for megatron-core's scheduler to assert on; "
+            "0.3.1 caps it with a warning",
+        needed=_warmup_cap_needed,
+        apply=_apply_warmup_cap,
     ),
 )
 

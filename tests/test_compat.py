@@ -18,15 +18,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 # What each lock needs, found by hand on each stack (megatron-core 0.16's Muon calls vs the installed
 # emerging-optimizers' signatures; the PyPI megatron-core wheel ships no datasets Makefile).
-FIXES_BY_EMERGING_OPTIMIZERS = {
-    "0.3.0": {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers"},  # lock-26.02
-    "0.1.0": {"prebuilt-dataset-helpers"},  # lock-26.02-container: 0.16's calls already match 0.1.0
+FIXES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> fixes
+    ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers"},  # lock-26.02
+    # lock-26.02-container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
+    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap"},
 }
 
 
 def test_each_fix_applies_exactly_where_the_installed_code_needs_it():
     needed = {fix.name for fix in compat.STACK_FIXES if fix.needed()}
-    assert needed == FIXES_BY_EMERGING_OPTIMIZERS[version_of("emerging-optimizers")], describe_stack()
+    stack = (version_of("megatron-bridge"), version_of("emerging-optimizers"))
+    assert needed == FIXES_BY_STACK[stack], describe_stack()
+
+
+def test_a_short_run_caps_the_warm_up_on_every_stack():
+    """lr_warmup_iters 40 with 10 iterations: warm-up capped to decay - 1 (megatron-bridge 0.3.1's rule),
+    so megatron-core's scheduler accepts it, instead of asserting at launch."""
+    import recipes
+    from bridge_ext.build import build_config
+
+    compat.apply_stack_fixes()
+    cfg = build_config(recipes.get_recipe("qwen3_proxy_muon"))
+    cfg.train.train_iters, cfg.scheduler.lr_warmup_iters, cfg.scheduler.lr_warmup_fraction = 10, 40, None
+    cfg.scheduler.lr_decay_iters = None
+    cfg._calculate_scheduler_steps()
+    gbs = cfg.train.global_batch_size
+    assert cfg.scheduler.lr_decay_steps == 10 * gbs and cfg.scheduler.lr_warmup_steps == 10 * gbs - 1
 
 
 def test_megatron_core_call_sites_are_read_from_its_source():

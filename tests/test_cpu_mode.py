@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bridge_ext import cpu_mode as cm
+from bridge_ext.hf import apply_config_stated_fields
 from bridge_ext.stack import UpstreamDrift, have_transformer_engine
 from bridge_ext.te_guard import MISSING_TE, guard_source, guarded_modules
 
@@ -194,6 +195,7 @@ def test_logits_match_hf(cpu_mode, single_process, tmp_path, family):
     hf.save_pretrained(tmp_path / "hf")
     bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
     provider = bridge.to_megatron_provider(load_weights=True)
+    apply_config_stated_fields(provider, hf.config)  # as recipes and conversion do (head_dim on MB 0.3.0)
     cm.configure_for_cpu(provider)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False)[0].eval()
