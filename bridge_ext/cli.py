@@ -65,7 +65,7 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
         "params_total": model.params.total,
         "params_active": model.params.active,
         "optimizer": {"preset": recipe.preset.name, **recipe.preset.optimizer,
-                      "ns_coefficients": recipe.preset.ns_coefficients},
+                      "ns_coefficients": recipe.preset.ns_coefficients, "split_gate_up": recipe.preset.split_gate_up},
         "scheduler": {**recipe.preset.scheduler, **recipe.preset.schedule_fractions},
         "optimizer_model_settings": dict(recipe.preset.model),  # e.g. QK-clip
         "layout": {"name": layout.cluster, **layout.parallelism()},
@@ -138,7 +138,8 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
         f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
     ]
     if o.optimizer in ("muon", "dist_muon"):
-        lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}")
+        lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}, "
+                     f"split_gate_up={recipe.preset.split_gate_up}")
     if getattr(m, "qk_clip", False):
         lines.append(f"qk-clip     threshold {m.qk_clip_threshold}, alpha {m.qk_clip_alpha}")
     from bridge_ext.build import benchmark_only_fields

@@ -119,7 +119,10 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
                             "megatron-core's TransformerConfig does not have; pick another preset")
         setattr(cfg.model, key, value)
     if runtime and preset.kind == "muon":
+        from bridge_ext.muon_split import install_gate_up_split
+
         install_ns_coefficients(getattr(preset, "ns_coefficients", "quintic"))
+        install_gate_up_split(getattr(preset, "split_gate_up", False))
         install_muon_clip()
 
 
@@ -393,10 +396,18 @@ def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
             b.add(A + "k_layernorm.weight", (d,), layers=every)
         b.add(A + "linear_proj.weight", (h, heads * d), layers=every, tp_dim=1)
     b.add(L + "pre_mlp_layernorm.weight", (h,), layers=every)
-    fused = "none (gate and up fused, orthogonalized together)"
+    # linear_fc1 = [gate; up]: one matrix, or two with the preset's split_gate_up (bridge_ext.muon_split)
+    split_gate_up = getattr(b, "split_gate_up", False)
+    fused = ("gate and up orthogonalized apart" if split_gate_up
+             else "none (gate and up fused, orthogonalized together)")
+
+    def halves(rows: int) -> list[tuple[int, int]] | None:
+        return [(rows // 2, h)] * 2 if split_gate_up else None
+
     if dense_layers:
         ffn = cfg["intermediate_size"]
-        b.add(L + "mlp.linear_fc1.weight", (2 * ffn, h), layers=dense_layers, split=fused, tp_dim=0)
+        b.add(L + "mlp.linear_fc1.weight", (2 * ffn, h), layers=dense_layers, split=fused, pieces=halves(2 * ffn),
+              tp_dim=0)
         b.add(L + "mlp.linear_fc2.weight", (h, ffn), layers=dense_layers, tp_dim=1)
     if moe_layers:
         experts = cfg.get("n_routed_experts") or cfg["num_experts"]
@@ -404,12 +415,13 @@ def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
         b.add(L + "mlp.router.weight", (experts, h), layers=moe_layers, split="none (2-D: Muon by default)")
         E = L + "mlp.experts.local_experts.{expert}."
         b.add(E + "linear_fc1.weight", (2 * width, h), layers=moe_layers, experts=experts,
-              split="per expert; " + fused, tp_dim=0)
+              split="per expert; " + fused, pieces=halves(2 * width), tp_dim=0)
         b.add(E + "linear_fc2.weight", (h, width), layers=moe_layers, experts=experts, split="per expert", tp_dim=1)
         shared = cfg.get("n_shared_experts") or 0
         if shared:
             S = L + "mlp.shared_experts."
-            b.add(S + "linear_fc1.weight", (2 * shared * width, h), layers=moe_layers, split=fused, tp_dim=0)
+            b.add(S + "linear_fc1.weight", (2 * shared * width, h), layers=moe_layers, split=fused,
+                  pieces=halves(2 * shared * width), tp_dim=0)
             b.add(S + "linear_fc2.weight", (h, shared * width), layers=moe_layers, tp_dim=1)
     b.add("decoder.final_layernorm.weight", (h,))
     if not cfg.get("tie_word_embeddings"):
@@ -438,6 +450,7 @@ def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
     b = _PlanBuilder(muon=muon, steps=opt.get("muon_num_ns_steps", 5), split_qkv=opt.get("muon_split_qkv", True),
                      tp=chosen.tp if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1,
                      etp=(chosen.etp or 1) if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1)
+    b.split_gate_up = muon and getattr(preset, "split_gate_up", False)
     _plan_rows(cfg, b)
     rows = tuple(b.rows)
     total = sum(r.params for r in rows)

@@ -39,6 +39,9 @@ class OptimizerPreset:
     model: Mapping[str, Any] = field(default_factory=dict)
     # Scheduler lengths as fractions of train.train_iters, resolved after overrides (bridge_ext.muon).
     schedule_fractions: Mapping[str, float] = field(default_factory=dict)
+    # Orthogonalize a gated MLP's gate and up projections (linear_fc1 = [gate; up]) apart, as Moonlight's
+    # reference does on the HF weights (bridge_ext.muon_split); megatron-core 0.16 has no field for it.
+    split_gate_up: bool = False
 
     def __post_init__(self):
         for name in ("optimizer", "scheduler", "ddp", "model", "schedule_fractions"):
@@ -232,5 +235,18 @@ def adamw_twin(muon: OptimizerPreset) -> OptimizerPreset:
     )
 
 
+# Muon per gated-MLP part: gate and up projections orthogonalized apart, as Moonlight's reference does on the
+# HF weights (megatron-core fuses them in linear_fc1). The A/B on the proxies is in docs/muon.md.
+__all__ += ["split_mlp"]
+
+
+def split_mlp(base: OptimizerPreset) -> OptimizerPreset:
+    """``base`` with gate and up projections orthogonalized separately."""
+    return replace(base, name=f"{base.name}_split_mlp", split_gate_up=True,
+                   summary=f"{base.name} with gate and up projections orthogonalized separately (as on HF weights)",
+                   source=f"{base.source}; Moonlight's reference Muon on separate gate_proj / up_proj")
+
+
 PRESETS.update({preset.name: preset for preset in (MOONLIGHT, KIMI_K2)})
 PRESETS.update({twin.name: twin for twin in map(adamw_twin, (MOONLIGHT, KIMI_K2))})
+PRESETS.update({preset.name: preset for preset in map(split_mlp, (MOONLIGHT, KIMI_K2))})

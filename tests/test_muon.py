@@ -147,7 +147,9 @@ def test_resolve_schedule_recomputes_its_own_value_but_keeps_explicit_ones():
 
 
 def test_moonlight_weight_decay_is_not_overridden_by_the_scheduler():
-    lrs, wds, _ = _scheduler_lrs("moonlight", 1000, [1, 500, 1000])
+    # a warm-up shorter than the run: MB 0.3.0 passes moonlight's 2,000 warm-up iterations of a 1,000-iteration
+    # run to Megatron's scheduler unclamped, which asserts (0.3.1 clamps it)
+    lrs, wds, _ = _scheduler_lrs("moonlight", 1000, [1, 500, 1000], overrides={"scheduler.lr_warmup_iters": 5})
     assert set(wds.values()) == {0.1}
     assert lrs[1000] == pytest.approx(PRESETS["moonlight"].optimizer["min_lr"])
 
