@@ -345,6 +345,15 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
+def _results_server(parent_pid: int) -> None:
+    """Initializer of the writer's Manager server: die with the trainer, and import what the write results
+    need to be unpickled (torch) in the background, so the first save does not wait for that import."""
+    import threading
+
+    exit_with_parent(parent_pid)
+    threading.Thread(target=importlib.import_module, args=("torch.distributed.checkpoint",), daemon=True).start()
+
+
 class _AfterFork:
     """Anchor for multiprocessing.util.register_after_fork (it keeps only a weak reference)."""
 
@@ -353,40 +362,47 @@ _after_fork_anchor = _AfterFork()
 _managers: list[Any] = []
 
 
-def keep_helpers_with_trainer() -> None:
-    """No process outlives its trainer (idempotent).
+def keep_helpers_with_trainer(*, start_now: bool = False) -> None:
+    """No process outlives its trainer (idempotent; ``start_now``: start the save helpers already).
 
     megatron-core's torch_dist writer (``dist_checkpointing/strategies/filesystem_async.py``,
     ``_get_write_results_queue``) starts a ``multiprocessing`` Manager server with the spawn method at the
     first save, which in turn starts a resource tracker; a trainer killed with SIGKILL left both running
-    forever. The Manager is started here with :func:`exit_with_parent` as its initializer instead, and every
-    process forked through ``multiprocessing`` (writer processes, data loader workers) gets the same.
+    forever. The Manager is started here with :func:`exit_with_parent` in its initializer instead, and every
+    process forked through ``multiprocessing`` (writer processes, data loader workers) gets the same. Started
+    with the run (``start_now``), the Manager has imported torch by the first save: that import, on the first
+    write result the server unpickles, made the first save seconds slower, a SIGTERM's save included.
     """
     import multiprocessing
     import multiprocessing.util
+    import threading
 
-    if _managers or getattr(_after_fork_anchor, "registered", False):
-        return
-    multiprocessing.util.register_after_fork(
-        _after_fork_anchor, lambda _: exit_with_parent(getattr(multiprocessing.parent_process(), "pid", None)))
-    _after_fork_anchor.registered = True
+    if not getattr(_after_fork_anchor, "registered", False):
+        multiprocessing.util.register_after_fork(
+            _after_fork_anchor, lambda _: exit_with_parent(getattr(multiprocessing.parent_process(), "pid", None)))
+        _after_fork_anchor.registered = True
     writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
     factory = getattr(writer, "_get_write_results_queue", None)
-    if factory is None or "Manager()" not in inspect.getsource(factory) or getattr(writer, "_results_queue", 0) is not None:
-        return  # the installed writer keeps no Manager of its own (or already started it)
+    if factory is None or "Manager()" not in inspect.getsource(inspect.unwrap(factory)):
+        return  # the installed writer keeps no Manager of its own
 
-    @functools.wraps(factory)
-    def results_queue() -> Any:
-        import multiprocessing
-        import threading
+    def start_server() -> None:
         from multiprocessing.managers import SyncManager
 
-        # PR_SET_PDEATHSIG fires when the creating *thread* ends: only bind to the main thread
+        # PR_SET_PDEATHSIG fires when the creating *thread* ends: only start it from the main thread
         if writer._results_queue is None and threading.current_thread() is threading.main_thread():
             manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+            manager.start(initializer=_results_server, initargs=(os.getpid(),))
             _managers.append(manager)  # a collected manager shuts its server down
             writer._results_queue = manager.Queue()
-        return factory()
 
-    writer._get_write_results_queue = results_queue
+    if not getattr(factory, "_kill_safe", False):
+        @functools.wraps(factory)
+        def results_queue() -> Any:
+            start_server()
+            return factory()
+
+        results_queue._kill_safe = True
+        writer._get_write_results_queue = results_queue
+    if start_now:
+        start_server()

@@ -89,7 +89,8 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     from bridge_ext import kill_safe
 
     kill_safe.install_atomic_save()
-    kill_safe.keep_helpers_with_trainer()
+    saves_torch_dist = bool(cfg.checkpoint.save) and cfg.checkpoint.ckpt_format == "torch_dist"
+    kill_safe.keep_helpers_with_trainer(start_now=saves_torch_dist)
     note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)
