@@ -262,13 +262,22 @@ def prepare_resume(cfg: Any) -> str | None:
 
     When the tracker names an incomplete iteration, ``checkpoint.ckpt_step`` is set to the newest complete
     one (Megatron Bridge's own way to load a given iteration). A ``UserError`` when there is nothing to resume
-    from but a tracker, or when ``checkpoint.ckpt_step`` names an incomplete iteration.
+    from but a tracker, when ``checkpoint.ckpt_step`` names an incomplete iteration, or when the
+    ``checkpoint.pretrained_checkpoint`` a fresh run starts from names one (it has no ``ckpt_step``).
     """
-    from bridge_ext.checkpoints import iteration_dir, missing_files, resume_point
+    from bridge_ext.checkpoints import iteration_dir, missing_files, read_tracker, resume_point
     from bridge_ext.errors import UserError
 
     _saved.clear()
     ckpt = cfg.checkpoint
+    if ckpt.pretrained_checkpoint and (not ckpt.load or read_tracker(ckpt.load)[0] is None):
+        try:  # loaded (weights only) when checkpoint.load holds nothing yet
+            start = resume_point(ckpt.pretrained_checkpoint)
+        except UserError as exc:
+            raise UserError(f"checkpoint.pretrained_checkpoint: {exc}") from None
+        if start.overrides_tracker:
+            raise UserError(f"checkpoint.pretrained_checkpoint: {start.note.split('; ')[0]}; Megatron Bridge loads only "
+                            "the iteration its tracker names")
     if not ckpt.load:
         return None
     if ckpt.ckpt_step is not None:

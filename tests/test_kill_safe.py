@@ -110,6 +110,34 @@ def test_export_picks_what_training_resumes_from(tmp_path):
         "finished, a run would start from scratch; pass --iteration N to export a complete one (2, 10)")
 
 
+def test_training_loads_the_resume_point_and_refuses_incomplete_choices(tmp_path):
+    from types import SimpleNamespace
+
+    from bridge_ext.kill_safe import prepare_resume
+
+    def config(**checkpoint):
+        fields = dict(load=str(tmp_path / "run"), save=str(tmp_path / "run"), ckpt_step=None, pretrained_checkpoint=None)
+        return SimpleNamespace(checkpoint=SimpleNamespace(**{**fields, **checkpoint}))
+
+    run = tmp_path / "run"
+    assert prepare_resume(config()) is None  # nothing saved yet
+    make_iteration(run, 2)
+    make_iteration(run, 4, COMPLETE[:5])
+    write_tracker(run, 2)
+    cfg = config()
+    assert prepare_resume(cfg) is None and cfg.checkpoint.ckpt_step is None  # Megatron Bridge reads the tracker
+    write_tracker(run, 4)
+    assert prepare_resume(cfg) == (f"resume: iteration 4 in {run} is incomplete (missing run_config.yaml); using "
+                                   "iteration 2, the newest complete one")
+    assert cfg.checkpoint.ckpt_step == 2  # how Megatron Bridge is told to load another iteration
+    assert user_error(prepare_resume, config(ckpt_step=4)) == (
+        f"checkpoint.ckpt_step=4: iteration 4 in {run} is incomplete (missing run_config.yaml)")
+    fresh = config(load=str(tmp_path / "new"), save=str(tmp_path / "new"), pretrained_checkpoint=str(run))
+    assert user_error(prepare_resume, fresh) == (
+        f"checkpoint.pretrained_checkpoint: iteration 4 in {run} is incomplete (missing run_config.yaml); Megatron "
+        "Bridge loads only the iteration its tracker names")
+
+
 def test_a_changed_save_function_is_refused(monkeypatch):
     from bridge_ext import kill_safe
     from bridge_ext.stack import UpstreamDrift
