@@ -48,7 +48,7 @@ _RESUME_FILES = ("train_state.pt", "run_config.yaml")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"  # megatron/bridge/training/utils/checkpoint_utils.py, get_checkpoint_name
+    return Path(root) / f"iter_{iteration:07d}"  # as training/utils/checkpoint_utils.py, get_checkpoint_name
 
 
 def iterations(root: str | Path) -> dict[int, Path]:

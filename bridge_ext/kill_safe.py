@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_save_function", "exit_with_parent", "graceful_stop", "install_atomic_save", "keep_helpers_with_trainer",
-           "prepare_resume", "stop_line"]
+__all__ = ["check_save_function", "exit_with_parent", "graceful_stop", "install_atomic_save",
+           "keep_helpers_with_trainer", "prepare_resume", "stop_line"]
 
 _CKPT_MODULE = "megatron.bridge.training.checkpointing"
 # What the wrapper relies on inside save_checkpoint (both megatron-bridge 0.3.0 and 0.3.1 have them).
@@ -212,7 +212,8 @@ def _commit(save: _Save) -> None:
 
     if _rank() != 0:
         return
-    missing = missing_files(save.iter_dir) + [os.path.basename(p) for p in save.staged.values() if not os.path.exists(p)]
+    missing = missing_files(save.iter_dir)
+    missing += [os.path.basename(p) for p in save.staged.values() if not os.path.exists(p)]
     if missing or not save.staged:
         raise RuntimeError(f"the save of iteration {save.iteration} left {save.iter_dir} without "
                            f"{', '.join(missing) or 'its trackers'}; it is not marked as the latest checkpoint")
@@ -276,8 +277,8 @@ def prepare_resume(cfg: Any) -> str | None:
         except UserError as exc:
             raise UserError(f"checkpoint.pretrained_checkpoint: {exc}") from None
         if start.overrides_tracker:
-            raise UserError(f"checkpoint.pretrained_checkpoint: {start.note.split('; ')[0]}; Megatron Bridge loads only "
-                            "the iteration its tracker names")
+            raise UserError(f"checkpoint.pretrained_checkpoint: {start.note.split('; ')[0]}; Megatron Bridge loads "
+                            "only the iteration its tracker names")
     if not ckpt.load:
         return None
     if ckpt.ckpt_step is not None:

@@ -12,7 +12,8 @@ stdin, one JSON object per line::
                 {"step": 5, "signal": "TERM"}]}                                    # when iteration 5 starts
 
 stdout, one JSON object per line: ``{"status": exit code or -signal, "fired": [...], "survivors": [...],
-"seconds": s}``; ``survivors``: processes of the child's session still alive 20 s after it ended (zombies are dead and do not count).
+"seconds": s, "reaped_after": s}``; ``survivors``: processes of the child's session still alive 20 s after it
+ended (zombies are dead and do not count); ``reaped_after``: how long after it ended the last one was alive.
 """
 
 from __future__ import annotations

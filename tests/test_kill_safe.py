@@ -56,7 +56,8 @@ def test_missing_files_names_what_a_resume_needs(tmp_path):
     assert checkpoints.missing_files(make_iteration(tmp_path, 40, ())) == [
         "common.pt", ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
     # fsdp_dtensor: plain torch DCP, no Megatron common.pt / metadata.json
-    assert checkpoints.missing_files(make_iteration(tmp_path, 50, (".metadata", "train_state.pt"))) == ["run_config.yaml"]
+    dcp_only = make_iteration(tmp_path, 50, (".metadata", "train_state.pt"))
+    assert checkpoints.missing_files(dcp_only) == ["run_config.yaml"]
     assert checkpoints.missing_files(tmp_path / "iter_0000060") == ["the directory"]
 
 
@@ -116,7 +117,8 @@ def test_training_loads_the_resume_point_and_refuses_incomplete_choices(tmp_path
     from bridge_ext.kill_safe import prepare_resume
 
     def config(**checkpoint):
-        fields = dict(load=str(tmp_path / "run"), save=str(tmp_path / "run"), ckpt_step=None, pretrained_checkpoint=None)
+        fields = dict(load=str(tmp_path / "run"), save=str(tmp_path / "run"), ckpt_step=None,
+                      pretrained_checkpoint=None)
         return SimpleNamespace(checkpoint=SimpleNamespace(**{**fields, **checkpoint}))
 
     run = tmp_path / "run"
