@@ -458,6 +458,7 @@ def test_export_without_known_hf_config_asks_for_one(converted, tmp_path):
     run = converted("qwen3")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run["mg"] / "iter_0000000", ckpt / "iter_0000007")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("7")  # as a finished save leaves it
     run_config = ckpt / "iter_0000007" / "run_config.yaml"
     run_config.write_text(run_config.read_text().replace(str(run["hf"].absolute()), "/gone/qwen3"))
     expect_user_error("pass --hf-config DIR", export_hf, ckpt, tmp_path / "out")
@@ -477,6 +478,7 @@ def test_export_with_mismatched_hf_config_is_a_user_error(converted, tmp_path):
     (wrong / "config.json").write_text(json.dumps(raw))
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run["mg"] / "iter_0000000", ckpt / "iter_0000001")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")  # as a finished save leaves it
     expect_user_error("does not match the model", export_hf, ckpt, tmp_path / "out", hf_config=wrong)
     assert_nothing_written(tmp_path / "out")
 
