@@ -139,6 +139,7 @@ def test_nemo_cli_routes_compare(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- real training
 @pytest.mark.slow
+@pytest.mark.once  # orchestration only; training on each stack: test_cpu_training, test_attention_logits
 def test_compare_trains_two_proxies_on_the_same_data(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(data, "CORPUS_MAX_BYTES", 1_000_000)  # the workers use the same (smaller) corpus
