@@ -154,7 +154,7 @@ __all__ += ["MOONLIGHT", "KIMI_K2", "KIMI_K2_SCHEDULE", "adamw_twin"]
 MOONLIGHT = OptimizerPreset(
     name="moonlight",
     kind="muon",
-    summary="Moonlight Muon: KJ Newton-Schulz x5, Nesterov 0.95, 0.2*sqrt(max(A,B)) scale, wd 0.1; AdamW lr",
+    summary="Moonlight Muon: KJ Newton-Schulz x5, Nesterov 0.95, 0.2*sqrt(max(A,B)) scale, wd 0.1, gate/up apart",
     source="Moonlight, arXiv 2502.16982 (Algorithm 1, sec. 2.2); Keller Jordan's Muon (NS coefficients)",
     optimizer={
         **_COMMON_OPTIMIZER,  # lr 3e-4 / min_lr 3e-5 = the AdamW twin's: Moonlight's lr transfers unchanged
@@ -180,6 +180,8 @@ MOONLIGHT = OptimizerPreset(
     },
     ddp={"use_distributed_optimizer": False, "overlap_param_gather": False},
     ns_coefficients="simple",  # emerging-optimizers' "simple" = [(3.4445, -4.7750, 2.0315)]
+    # Gate and up projections apart, as Moonlight's reference on the HF weights (A/B: docs/muon.md)
+    split_gate_up=True,
 )
 
 # Kimi K2 (arXiv 2507.20534: MuonClip and the pre-training recipe): 15.5 T tokens, 500 warm-up steps, 2e-4
@@ -231,22 +233,23 @@ def adamw_twin(muon: OptimizerPreset) -> OptimizerPreset:
             ddp=ADAMW.ddp,
         ),
         ns_coefficients="quintic",
+        split_gate_up=False,
         model={},
     )
 
 
-# Muon per gated-MLP part: gate and up projections orthogonalized apart, as Moonlight's reference does on the
-# HF weights (megatron-core fuses them in linear_fc1). The A/B on the proxies is in docs/muon.md.
-__all__ += ["split_mlp"]
+# megatron-core's way for gated MLPs: gate and up projections orthogonalized as one linear_fc1 matrix. The
+# paper presets split them (split_gate_up); the A/B on the proxies that decided it is in docs/muon.md.
+__all__ += ["fused_mlp"]
 
 
-def split_mlp(base: OptimizerPreset) -> OptimizerPreset:
-    """``base`` with gate and up projections orthogonalized separately."""
-    return replace(base, name=f"{base.name}_split_mlp", split_gate_up=True,
-                   summary=f"{base.name} with gate and up projections orthogonalized separately (as on HF weights)",
-                   source=f"{base.source}; Moonlight's reference Muon on separate gate_proj / up_proj")
+def fused_mlp(base: OptimizerPreset) -> OptimizerPreset:
+    """``base`` with each gated MLP's gate and up projections orthogonalized together (megatron-core's way)."""
+    return replace(base, name=f"{base.name}_fused_mlp", split_gate_up=False,
+                   summary=f"{base.name} with gate and up projections orthogonalized as one matrix (megatron-core)",
+                   source=f"{base.source}; megatron-core 0.16's fused linear_fc1")
 
 
 PRESETS.update({preset.name: preset for preset in (MOONLIGHT, KIMI_K2)})
 PRESETS.update({twin.name: twin for twin in map(adamw_twin, (MOONLIGHT, KIMI_K2))})
-PRESETS.update({preset.name: preset for preset in map(split_mlp, (MOONLIGHT, KIMI_K2))})
+PRESETS.update({preset.name: preset for preset in map(fused_mlp, (MOONLIGHT, KIMI_K2))})

@@ -57,15 +57,21 @@ def test_totals_match_the_parameter_count(name):
                or r.pattern.startswith("output_layer"))
 
 
+def _fused(name: str):
+    """The recipe with megatron-core's fused gate/up (the split presets: tests/test_muon_split.py)."""
+    recipe = get_recipe(name)
+    return muon_plan(recipe.with_preset(f"{recipe.preset.name}_fused_mlp"))
+
+
 def test_kimi_k2_and_qwen3_30b_figures():
-    kimi, qwen = muon_plan("kimi_k2_muon"), muon_plan("qwen3_30b_a3b_muon")
+    kimi, qwen = _fused("kimi_k2_muon"), _fused("qwen3_30b_a3b_muon")
     print(f"kimi_k2: Muon share {kimi.muon_share:.4f}, NS {kimi.ns_flops_per_step:.3e} FLOP/step, "
           f"model {kimi.model_flops_per_step:.3e}, NS/model {kimi.ns_over_model:.4f}")
     print(f"qwen3_30b_a3b: Muon share {qwen.muon_share:.4f}, NS {qwen.ns_flops_per_step:.3e} FLOP/step, "
           f"model {qwen.model_flops_per_step:.3e}, NS/model {qwen.ns_over_model:.4f}")
     assert kimi.tokens_per_step == 4096 * 4096 and qwen.tokens_per_step == 512 * 4096
     assert 0.997 < kimi.muon_share < 0.999 and 0.975 < qwen.muon_share < 0.985
-    # the shares docs/muon.md quotes (2.56 %, 2.14 %); test_ns_and_model_flops_by_hand derives them
+    # the fused shares docs/muon.md quotes (2.56 %, 2.14 %); test_ns_and_model_flops_by_hand derives them
     assert round(kimi.ns_over_model, 4) == 0.0256 and round(qwen.ns_over_model, 4) == 0.0214
     experts = [r for r in kimi.rows if r.experts]
     assert {r.copies for r in experts} == {60 * 384}
@@ -89,7 +95,7 @@ def test_ns_and_model_flops_by_hand():
     active = (61 * sum(a * b for a, b in attention) + 3 * h * 18432 + 60 * (9 * 3 * h * 2048 + 384 * h)
               + 163840 * h + norms)  # 8 routed + 1 shared expert per token; output layer (embedding: a lookup)
     model = (6 * active + 3 * 4096 * 64 * (192 + 128) * 61) * 4096 * 4096
-    kimi = muon_plan("kimi_k2_muon")
+    kimi = _fused("kimi_k2_muon")
     assert (kimi.ns_flops_per_step, kimi.model_flops_per_step) == (ns, model)
     assert ns / model == pytest.approx(0.025580, abs=1e-6)
 
@@ -99,7 +105,7 @@ def test_ns_and_model_flops_by_hand():
     attention = 2 * 32 * 128 * h + 2 * 4 * 128 * h + 2 * 128  # q, o, k, v, q/k norms
     active = 48 * (attention + 2 * h + 8 * 3 * h * 768 + 128 * h) + 151936 * h + h
     model = (6 * active + 3 * 4096 * 32 * 256 * 48) * 512 * 4096
-    qwen = muon_plan("qwen3_30b_a3b_muon")
+    qwen = _fused("qwen3_30b_a3b_muon")
     assert (qwen.ns_flops_per_step, qwen.model_flops_per_step) == (ns, model)
     assert ns / model == pytest.approx(0.021382, abs=1e-6)
 

@@ -35,7 +35,8 @@ def kimi_proxy(cpu_mode):
     from bridge_ext.muon_split import install_gate_up_split
 
     init_single_process_distributed()
-    preset = PRESETS["moonlight_split_mlp"]
+    preset = PRESETS["moonlight"]
+    assert preset.split_gate_up and not PRESETS["moonlight_fused_mlp"].split_gate_up  # the default splits
     cfg = build_config(dataclasses.replace(get_recipe("kimi_k2_proxy_muon"), preset=preset))
     apply_preset(cfg, preset)
     configure_for_cpu(cfg)
@@ -143,12 +144,19 @@ def test_manifest_counts_gate_and_up_as_two_matrices():
     attention = [(1536, h), (64 * 192, 1536), (576, h), (64 * 256, 512), (h, 64 * 128)]
     moe = [*attention, *[(2048, h), (2048, h), (h, 2048)] * (384 + 1), (384, h)]
     dense = [*attention, (18432, h), (18432, h), (h, 18432)]
-    recipe = get_recipe("kimi_k2_muon")
-    split, fused = muon_plan(recipe.with_preset("kimi_k2_split_mlp")), muon_plan(recipe)
+    recipe = get_recipe("kimi_k2_muon")  # kimi_k2 splits; kimi_k2_fused_mlp is megatron-core's one matrix
+    split, fused = muon_plan(recipe), muon_plan(recipe.with_preset("kimi_k2_fused_mlp"))
     assert split.ns_flops_per_step == 60 * sum(ns(*m) for m in moe) + sum(ns(*m) for m in dense)
     rows = {r.pattern.rsplit("mlp.", 1)[-1]: r for r in split.rows if r.pattern.endswith("linear_fc1.weight")}
     assert rows["linear_fc1.weight"].ns_matrices == ((18432, h),) * 2
     assert rows["experts.local_experts.{expert}.linear_fc1.weight"].ns_matrices == ((2048, h),) * 2
     assert rows["shared_experts.linear_fc1.weight"].ns_matrices == ((2048, h),) * 2
     print(f"Kimi K2 NS/model: fused {fused.ns_over_model:.4f}, split {split.ns_over_model:.4f}")
-    assert split.ns_over_model < 0.6 * fused.ns_over_model  # two half-height matrices: (m/2)^2 terms
+    assert split.model_flops_per_step == fused.model_flops_per_step  # the model is the same
+    assert round(split.ns_over_model, 4) == 0.0141 and round(fused.ns_over_model, 4) == 0.0256  # docs/muon.md
+
+    h = 2048  # Qwen3-30B-A3B: Q, K, V apart; 128 experts of 768, gate and up apart
+    layer = [(32 * 128, h), (4 * 128, h), (4 * 128, h), (h, 32 * 128), *[(768, h), (768, h), (h, 768)] * 128, (128, h)]
+    qwen = muon_plan("qwen3_30b_a3b_muon")
+    assert qwen.ns_flops_per_step == 48 * sum(ns(*m) for m in layer)
+    assert round(qwen.ns_over_model, 4) == 0.0118  # docs/muon.md (fused: 0.0214)
