@@ -23,6 +23,7 @@ import hf_fixtures
 from bridge_ext import convert
 from bridge_ext.convert import export_hf, find_iteration, import_hf, inspect_hf_dir, read_safetensors_header
 from bridge_ext.errors import UserError
+from bridge_ext.hf import apply_config_stated_fields
 
 REPO = Path(__file__).resolve().parents[1]
 NEMO = Path(sys.executable).with_name("nemo")  # the venv under test (each stack has its own)
@@ -507,6 +508,7 @@ def make_training_run(hf: Path, save: Path, *, iterations: tuple[int, ...] = (3,
         pretrained.config = source.config
         bridge = convert._bridge_for(source.config, pretrained)
         provider = bridge.to_megatron_provider(load_weights=True)
+        apply_config_stated_fields(provider, source.config)  # as the product does (head_dim on MB 0.3.0)
         configure_for_cpu(provider)
         provider.finalize()
         convert._init_parallel(tp=1, pp=1, ep=1, cpu=cpu)
