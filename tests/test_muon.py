@@ -198,9 +198,8 @@ def _end_process_state() -> None:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-@pytest.fixture
-def proxy(cpu_mode):
-    """The kimi_k2 proxy with the moonlight preset, built on CPU (model only; optimizers per test)."""
+def build_kimi_proxy(preset):
+    """The kimi_k2 proxy with ``preset``, built on CPU (model only; optimizers per test); see release_proxy."""
     import torch
 
     from bridge_ext.build import build_config
@@ -208,18 +207,29 @@ def proxy(cpu_mode):
     from bridge_ext.muon import apply_preset
 
     init_single_process_distributed()
-    preset = PRESETS["moonlight"]
     cfg = build_config(dataclasses.replace(get_recipe("kimi_k2_proxy_muon"), preset=preset))
     apply_preset(cfg, preset)
     configure_for_cpu(cfg)
     cfg.validate()
     torch.manual_seed(0)
-    model = cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
-    yield cfg, model
-    from bridge_ext.muon import install_ns_coefficients
+    return cfg, cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
 
-    install_ns_coefficients("quintic")  # megatron-core's default, for whatever runs next in this process
+
+def release_proxy() -> None:
+    """Undo what build_kimi_proxy installed process-wide, for whatever runs next in this process."""
+    from bridge_ext.muon import install_ns_coefficients
+    from bridge_ext.muon_split import install_gate_up_split
+
+    install_ns_coefficients("quintic")  # megatron-core's default
+    install_gate_up_split(False)
     _end_process_state()
+
+
+@pytest.fixture
+def proxy(cpu_mode):
+    """The kimi_k2 proxy with the moonlight preset, built on CPU (model only; optimizers per test)."""
+    yield build_kimi_proxy(PRESETS["moonlight"])
+    release_proxy()
 
 
 def _run_optimizer(cfg, model, name, grads, *, precision, coefficients):

@@ -10,13 +10,12 @@ Bridge's ``GatedMLPMapping`` maps them to Megatron's ``linear_fc1`` and back.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 
 from recipes import get_recipe
 from recipes.optimizers import PRESETS
-from tests.test_muon import _end_process_state, moonlight_reference
+from tests.test_muon import build_kimi_proxy, moonlight_reference, release_proxy
 
 FC1 = {  # which gated MLP -> its linear_fc1 weight in the proxy
     "dense": "module.decoder.layers.0.mlp.linear_fc1.weight",
@@ -27,26 +26,10 @@ FC1 = {  # which gated MLP -> its linear_fc1 weight in the proxy
 
 @pytest.fixture(scope="module")
 def kimi_proxy(cpu_mode):
-    import torch
-
-    from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed
-    from bridge_ext.muon import apply_preset, install_ns_coefficients
-    from bridge_ext.muon_split import install_gate_up_split
-
-    init_single_process_distributed()
     preset = PRESETS["moonlight"]
     assert preset.split_gate_up and not PRESETS["moonlight_fused_mlp"].split_gate_up  # the default splits
-    cfg = build_config(dataclasses.replace(get_recipe("kimi_k2_proxy_muon"), preset=preset))
-    apply_preset(cfg, preset)
-    configure_for_cpu(cfg)
-    cfg.validate()
-    torch.manual_seed(0)
-    model = cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
-    yield cfg, model
-    install_ns_coefficients("quintic")
-    install_gate_up_split(False)
-    _end_process_state()
+    yield build_kimi_proxy(preset)
+    release_proxy()
 
 
 def _step(cfg, model, name, grads, *, split: bool):
