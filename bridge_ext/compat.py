@@ -39,7 +39,6 @@ __all__ = [
     "STACK_FIXES",
     "StackFix",
     "apply_stack_fixes",
-    "applied_stack_fixes",
     "call_keywords",
     "check_optimizer_fields",
     "pretrain_template",
@@ -326,8 +325,3 @@ def apply_stack_fixes() -> tuple[str, ...]:
             fix.apply()
         _applied = [fix.name for fix in needed]
     return tuple(_applied)
-
-
-def applied_stack_fixes() -> tuple[str, ...]:
-    """Names of the fixes applied in this process so far (empty before :func:`apply_stack_fixes`)."""
-    return tuple(_applied or ())
