@@ -111,7 +111,7 @@ def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
     model.expert_tensor_parallel_size = layout.etp
     model.context_parallel_size = layout.cp
     model.sequence_parallel = layout.sequence_parallel
-    model.pipeline_dtype = torch.bfloat16 if layout.pp > 1 else None
+    model.pipeline_dtype = (torch.float32 if layout.precision == "fp32" else torch.bfloat16) if layout.pp > 1 else None
     model.pipeline_model_parallel_layout = layout.pipeline_layout
     if layout.pipeline_layout:  # an explicit layout replaces the embedding/loss accounting heuristics
         model.account_for_embedding_in_pipeline_split = False

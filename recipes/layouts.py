@@ -114,10 +114,29 @@ _KIMI_K2_GB300 = Layout(
         "`gb300x256-bench` is the benchmark itself",
 )
 
+# Several CPU processes (torchrun --nproc-per-node N, gloo): the same global batch as `cpu`, split over
+# data-parallel ranks or a model-parallel group, so a run in any of them computes what `cpu` computes (docs/parallel.md).
+_CPU_WHY = "{what} across {n} CPU processes (torchrun --nproc-per-node {n}, gloo); the same global batch as `cpu`"
+
+
+def _cpu_parallel(name: str, *, what: str, **sizes: Any) -> Layout:
+    gpus = sizes.pop("gpus", 2)
+    return replace(_CPU, cluster=name, gpus=gpus, why=_CPU_WHY.format(what=what, n=gpus), **sizes)
+
+
+_CPU_DP2 = _cpu_parallel("cpu-dp2", what="data parallelism")
+_CPU_TP2 = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence parallelism", tp=2)
+_CPU_PP2 = _cpu_parallel("cpu-pp2", what="two pipeline stages", pp=2)
+_CPU_EP2 = _cpu_parallel("cpu-ep2", what="expert parallelism over the two data-parallel ranks", ep=2)
+_CPU_TP2_EP2 = _cpu_parallel("cpu-tp2-ep2", what="TP2 x DP2 with the experts split EP2", gpus=4, tp=2, ep=2)
+_CPU_DENSE = {"cpu": _CPU, "cpu-dp2": _CPU_DP2, "cpu-tp2": _CPU_TP2, "cpu-pp2": _CPU_PP2}
+_CPU_MOE = {**_CPU_DENSE, "cpu-ep2": _CPU_EP2, "cpu-tp2-ep2": _CPU_TP2_EP2}
+
 LAYOUTS: dict[str, dict[str, Layout]] = {
-    "kimi_k2_proxy": {"cpu": _CPU},
-    "qwen3_proxy": {"cpu": _CPU},
-    "qwen3_moe_proxy": {"cpu": _CPU},
+    # Kimi K2 proxy: 3 layers over 2 stages, embedding + 2 layers first, 1 layer + loss last
+    "kimi_k2_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL")},
+    "qwen3_proxy": _CPU_DENSE,
+    "qwen3_moe_proxy": _CPU_MOE,
     "kimi_k2": {
         "gb300x256": _KIMI_K2_GB300,
         "gb300x256-bench": replace(
