@@ -49,7 +49,7 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
     sys.path.insert(0, str(REPO / "tests"))
     import hf_fixtures
 
-    from bridge_ext.convert import _expected_hf_tensors
+    from bridge_ext.convert.hf_dir import _expected_hf_tensors
     from bridge_ext.hf import load_hf_config
 
     out.mkdir(parents=True)
@@ -113,8 +113,9 @@ def phase(name: str, hf: Path, work: Path) -> dict:
     import torch  # noqa: F401  (libraries first, so base_mb is the fixed cost)
 
     from bridge_ext import convert
+    from bridge_ext.convert.model import _prepare_runtime
 
-    convert._prepare_runtime()
+    _prepare_runtime()
     import megatron.bridge.training.model_load_save  # noqa: F401
 
     base = _rss_now_mb()

@@ -22,6 +22,8 @@ import pytest
 import hf_fixtures
 from bridge_ext import convert
 from bridge_ext.convert import export_hf, find_iteration, import_hf, inspect_hf_dir, read_safetensors_header
+from bridge_ext.convert.model import _bridge_for, _prepare_runtime
+from bridge_ext.convert.parallel import _distributed, _init_parallel
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
 
@@ -139,6 +141,32 @@ def test_cli_bad_input_is_one_line_exit_2_and_fast(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "does not exist" in lines[0], result.stderr
     assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.once
+def test_convert_package_parts_import_without_cycles():
+    """The parts of bridge_ext/convert/ form a DAG (tests/test_compat.py checks the package among bridge_ext's
+    modules) and none is a file over ~500 lines."""
+    import ast
+
+    package = REPO / "bridge_ext" / "convert"
+    graph = {}
+    for path in package.glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 520, path.name
+        graph[path.stem] = {
+            node.module.split(".")[2]
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bridge_ext.convert.")
+        }
+    assert graph["__init__"] >= {"cli", "hf_to_megatron", "megatron_to_hf"} and "__init__" not in set().union(*graph.values())
+
+    def visit(node, trail):
+        assert node not in trail, " -> ".join([*trail, node])
+        for nxt in graph[node]:
+            visit(nxt, (*trail, node))
+
+    for module in graph:
+        visit(module, ())
 
 
 # ------------------------------------------------------------------------------------------------- validation
@@ -501,17 +529,17 @@ def make_training_run(hf: Path, save: Path, *, iterations: tuple[int, ...] = (3,
 
     from bridge_ext.cpu_mode import configure_for_cpu
 
-    cpu = convert._prepare_runtime()
+    cpu = _prepare_runtime()
     source = inspect_hf_dir(hf)
-    with convert._distributed(cpu):
+    with _distributed(cpu):
         pretrained = PreTrainedCausalLM(model_name_or_path=str(hf), torch_dtype=torch.float32)
         pretrained.config = source.config
-        bridge = convert._bridge_for(source.config, pretrained)
+        bridge = _bridge_for(source.config, pretrained)
         provider = bridge.to_megatron_provider(load_weights=True)
         apply_config_stated_fields(provider, source.config)  # as the product does (head_dim on MB 0.3.0)
         configure_for_cpu(provider)
         provider.finalize()
-        convert._init_parallel(tp=1, pp=1, ep=1, cpu=cpu)
+        _init_parallel(tp=1, pp=1, ep=1, cpu=cpu)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=False)
         model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True, use_cpu_initialization=True)
         opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=False,

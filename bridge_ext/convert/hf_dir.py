@@ -1,0 +1,333 @@
+"""Reading and validating Hugging Face model directories: config, safetensors headers, shards, dtypes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.errors import UserError
+
+__all__ = ['CONVERSION_RECORD', 'HF_SOURCE_DIR', 'SUPPORTED_ARCHITECTURES', 'HFSource', 'TensorInfo', 'inspect_hf_dir', 'read_safetensors_header']
+
+
+# HF architecture -> the family name used in messages and docs. Megatron Bridge 0.3.1 has bridges for each.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Qwen3ForCausalLM": "Qwen3",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi K2",
+}
+
+# Largest |logit difference| --verify accepts, in fp32. Two correct fp32 implementations differ only by
+
+
+# Next to an imported checkpoint: the source's config.json (bytes), tokenizer and generation files.
+HF_SOURCE_DIR = "hf_source"
+CONVERSION_RECORD = "conversion.json"
+
+# Files copied from an HF source to an export (and kept at import). Never weights, never executed here.
+_SIDE_FILE_PATTERNS = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "tiktoken.model",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.py",  # remote code named by auto_map (Kimi K2): copied so the export is a complete repository
+    "LICENSE*",
+)
+
+
+_SAFETENSORS_DTYPES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_FLOAT_ST = {"F64", "F32", "F16", "BF16"}
+_FP8_ST = {"F8_E4M3", "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str  # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class HFSource:
+    """A validated Hugging Face checkpoint directory."""
+
+    path: Path
+    raw_config: dict[str, Any]
+    config: Any  # transformers PretrainedConfig (never from remote code)
+    architecture: str
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    dtype: str  # the weights' dtype as a torch dtype name ("bfloat16", ...)
+    fp8: bool = False  # block-quantized fp8 weights with *_scale_inv tensors (dequantized on import)
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.tensors.values())
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors file's header against its size (catches truncation and corruption).
+
+    Format: 8-byte little-endian header length, a JSON header, then the data buffer that the header's
+    ``data_offsets`` must cover exactly (https://github.com/huggingface/safetensors#format).
+    """
+    size = file.stat().st_size
+    where = f"{file.parent.name}/{file.name}"
+    if size < 8:
+        raise UserError(f"{where} is truncated ({size} bytes); re-download or re-save it")
+    with open(file, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        if header_len > size - 8 or header_len > 100 * 2**20:
+            raise UserError(f"{where} is not a valid safetensors file (header length {header_len}, file {size} bytes)")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"{where} is corrupt: its safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{where} is corrupt: its safetensors header is not a JSON object")
+    data_len = size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    end_max = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{where} is corrupt: bad header entry for tensor {name}") from None
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{where}: tensor {name} has unknown dtype {dtype}")
+        expected = math.prod(shape) * _SAFETENSORS_DTYPES[dtype]
+        if end - begin != expected or begin < 0:
+            raise UserError(f"{where} is corrupt: tensor {name} spans {end - begin} bytes, its shape needs {expected}")
+        if end > data_len:
+            raise UserError(
+                f"{where} is truncated: tensor {name} ends at byte {end} of a {data_len}-byte data section; "
+                "re-download or re-save it"
+            )
+        end_max = max(end_max, end)
+        tensors[name] = TensorInfo(file=file.name, dtype=dtype, shape=shape, nbytes=expected)
+    if end_max != data_len:
+        raise UserError(f"{where} is corrupt: {data_len - end_max} bytes after the last tensor")
+    return tensors
+
+
+def _expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor the architecture's transformers model has (name -> shape), built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def _st_to_torch_name(code: str) -> str:
+    return {v: k for k, v in _TORCH_TO_ST.items()}.get(code, code.lower())
+
+
+def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
+    """Validate a Hugging Face checkpoint directory; raise :class:`UserError` naming the first problem."""
+    from bridge_ext.hf import MODEL_TYPE_ALIASES, load_hf_config
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--hf {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"--hf {path} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{path} has no config.json; point --hf at a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{config_file} is not a JSON object")
+    architectures = raw.get("architectures") or []
+    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        from bridge_ext.errors import closest
+
+        name = architectures[0] if architectures else f"model_type {raw.get('model_type')!r}"
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        hint = closest(str(name), SUPPORTED_ARCHITECTURES)
+        raise UserError(f"unsupported architecture {name}{hint}; supported: {supported}")
+    try:
+        config = load_hf_config(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        model_type = raw.get("model_type")
+        raise UserError(
+            f"{config_file}: transformers cannot build a config for model_type {model_type!r} ({first})"
+        ) from None
+    if config.model_type not in {"qwen3", "qwen3_moe", "deepseek_v3"}:
+        raise UserError(
+            f"{config_file}: architecture {architecture} with model_type {raw.get('model_type')!r} is not supported "
+            f"(known aliases: {', '.join(MODEL_TYPE_ALIASES) or 'none'})"
+        )
+
+    # Shards: the index, if any, names them; otherwise every *.safetensors in the directory.
+    index_file = path / "model.safetensors.index.json"
+    weight_map: dict[str, str] | None = None
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{index_file} is corrupt (no valid weight_map)") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise UserError(f"{path}: shard {missing[0]}{more} listed in model.safetensors.index.json is missing")
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+                raise UserError(f"{path} has only PyTorch .bin/.pt weights; save it with safe_serialization=True")
+            raise UserError(f"{path} has no *.safetensors weights")
+
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        for key, info in read_safetensors_header(path / name).items():
+            if key in tensors:
+                raise UserError(f"{path}: tensor {key} appears in both {tensors[key].file} and {info.file}")
+            tensors[key] = info
+    if weight_map is not None:
+        for key, file in weight_map.items():
+            if key not in tensors or tensors[key].file != file:
+                raise UserError(f"{path}: the index puts {key} in {file}, but that shard does not contain it")
+
+    quant = raw.get("quantization_config") or {}
+    fp8 = quant.get("quant_method") == "fp8"
+    declared = raw.get("torch_dtype") or raw.get("dtype")
+    dtype = _check_dtypes(path, tensors, declared=declared, fp8=fp8)
+
+    if check_tensors:
+        expected = _expected_hf_tensors(config)
+        missing = [k for k in expected if k not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise UserError(f"{path}: tensor {missing[0]}{more} is missing for {architecture}; is a shard incomplete?")
+        for key, shape in expected.items():
+            if tensors[key].shape != shape:
+                raise UserError(
+                    f"{path}: tensor {key} has shape {list(tensors[key].shape)}, config.json implies {list(shape)}"
+                )
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    if fp8 and (len(block) != 2 or quant.get("fmt", "e4m3") != "e4m3"):
+        raise UserError(f"{config_file}: only e4m3 fp8 with 2-D weight_block_size is supported, got {quant}")
+    return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, tensors=tensors,
+                    files=files, dtype=dtype, fp8=fp8, fp8_block=block)  # fmt: skip
+
+
+def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str | None, fp8: bool) -> str:
+    """The weights' dtype; a UserError when tensors disagree with each other or with config.json.
+
+    Matrices must all have one dtype, the declared ``torch_dtype`` when config.json has one (or fp8 when it
+    declares fp8 quantization). Vectors (norms, biases) may also be float32, as DeepSeek-V3 releases keep
+    ``e_score_correction_bias``.
+    """
+    matrix_dtypes: dict[str, str] = {}
+    for key, info in tensors.items():
+        if info.dtype not in _FLOAT_ST | _FP8_ST:
+            raise UserError(f"{path}: tensor {key} has dtype {info.dtype}; weights must be floating point")
+        if fp8 and key.endswith("_scale_inv"):
+            continue
+        if len(info.shape) >= 2:
+            matrix_dtypes.setdefault(info.dtype, key)
+    if fp8:
+        wanted = {"F8_E4M3"}
+        others = {d: k for d, k in matrix_dtypes.items() if d not in wanted | _FLOAT_ST}
+        if others:
+            code, key = next(iter(others.items()))
+            raise UserError(f"dtype mismatch in {path}: tensor {key} is {code}, config.json declares fp8 (e4m3)")
+        return declared or "bfloat16"
+    if any(code in _FP8_ST for code in matrix_dtypes):
+        code = next(c for c in matrix_dtypes if c in _FP8_ST)
+        raise UserError(
+            f"dtype mismatch in {path}: tensor {matrix_dtypes[code]} is {code} but config.json has no fp8 "
+            "quantization_config"
+        )
+    if declared is not None:
+        want = _TORCH_TO_ST.get(str(declared).replace("torch.", ""))
+        if want is None:
+            raise UserError(f"{path}/config.json: unsupported torch_dtype {declared!r}")
+        for code, key in matrix_dtypes.items():
+            if code != want:
+                raise UserError(
+                    f"dtype mismatch in {path}: tensor {key} is {code}, config.json declares torch_dtype {declared}"
+                )
+        for key, info in tensors.items():
+            if len(info.shape) < 2 and info.dtype not in {want, "F32"}:
+                raise UserError(
+                    f"dtype mismatch in {path}: tensor {key} is {info.dtype}, config.json declares torch_dtype "
+                    f"{declared}"
+                )
+        return str(declared).replace("torch.", "")
+    if len(matrix_dtypes) > 1:
+        (a, ka), (b, kb) = list(matrix_dtypes.items())[:2]
+        raise UserError(f"dtype mismatch in {path}: tensor {ka} is {a} but {kb} is {b}")
+    return _st_to_torch_name(next(iter(matrix_dtypes), "F32"))
+
+
+def _copy_side_files(source: Path, dest: Path) -> list[str]:
+    """Copy tokenizer / generation / remote-code files (never weights, never config.json)."""
+    copied = []
+    for pattern in _SIDE_FILE_PATTERNS:
+        for file in sorted(source.glob(pattern)):
+            if file.is_file() and file.name != "config.json" and not (dest / file.name).exists():
+                shutil.copy2(file, dest / file.name)
+                copied.append(file.name)
+    return copied
+
+
+def _hf_tokenizer_loadable(path: Path) -> bool:
+    """True when transformers can load the tokenizer at ``path`` without remote code."""
+    config_file = path / "tokenizer_config.json"
+    if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+        return False
+    if config_file.is_file():
+        with contextlib.suppress(Exception):
+            if "auto_map" in json.loads(config_file.read_text()):
+                return False
+    return True
+
+
+def _config_from_dir(path: Path) -> tuple[Any, str, dict[str, Any]]:
+    """Config, architecture and raw dict of a config-only directory (no weights to validate)."""
+    from bridge_ext.hf import load_hf_config
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}/config.json is not valid JSON ({exc.msg})") from None
+    architecture = next((a for a in raw.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise UserError(f"unsupported architecture {raw.get('architectures')}; supported: {supported}")
+    return load_hf_config(path), architecture, raw

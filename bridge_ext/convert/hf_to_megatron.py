@@ -1,0 +1,160 @@
+"""Import: a Hugging Face directory -> a Megatron torch_dist checkpoint (``nemo llm import``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.convert.fp8 import _fp8_dequantizing
+from bridge_ext.convert.hf_dir import (
+    CONVERSION_RECORD,
+    HF_SOURCE_DIR,
+    SUPPORTED_ARCHITECTURES,
+    HFSource,
+    _copy_side_files,
+    _hf_tokenizer_loadable,
+    inspect_hf_dir,
+)
+from bridge_ext.convert.megatron_ckpt import find_iteration
+from bridge_ext.convert.model import _bridge_for, _build_model, _model_param_names, _prepare_runtime
+from bridge_ext.convert.parallel import _distributed, _is_rank0
+from bridge_ext.convert.report import ConversionSummary, _human_bytes, _Progress, _say
+from bridge_ext.convert.staging import _check_target, _staged_output
+from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
+from bridge_ext.errors import UserError
+
+__all__ = ['import_hf']
+
+
+def _load_hf_into_megatron(
+    bridge: Any, pretrained: Any, model: list[Any], source: HFSource, *, progress: bool
+) -> tuple[int, int]:
+    """Load every Megatron parameter from the HF tensors (``model_bridge.py:697-803``, with accounting).
+
+    Returns the HF tensors read (fp8 scales included) and their bytes.
+    """
+    import torch
+
+    model_bridge = bridge._model_bridge
+    tasks = [t for t in model_bridge.build_conversion_tasks(pretrained, model) if t is not None]
+    local = [t for t in tasks if t.megatron_module is not None]
+    loaded = {(t.vp_stage, t.param_name) for t in local}
+    missing = [vp_name for vp_name in _model_param_names(model) if vp_name not in loaded]
+    if missing:
+        raise RuntimeError(
+            f"no conversion for Megatron parameter {missing[0][1]} ({len(missing)} in all); "
+            "the Megatron Bridge mapping for this architecture is incomplete"
+        )
+    state = pretrained.state
+    load = model_bridge.maybe_modify_loaded_hf_weight
+    if source.fp8:
+        load = _fp8_dequantizing(load, source)
+    seen: set[str] = set()
+    nbytes = 0
+    total = len({n for t in local for n in _hf_names(t.mapping.hf_param)})
+    with _Progress("import", total=total, enabled=progress and _is_rank0()) as bar:
+        for task in local:
+            hf_weights = load(task.mapping.hf_param, state)
+            converted = task.mapping.hf_to_megatron(hf_weights, task.megatron_module)
+            names = _hf_names(task.mapping.hf_param)
+            fresh = [n for n in names if n not in seen]
+            names += [f"{n}_scale_inv" for n in names if f"{n}_scale_inv" in source.tensors]  # fp8 block scales
+            task_bytes = sum(source.tensors[n].nbytes for n in names if n in source.tensors and n not in seen)
+            seen.update(names)
+            nbytes += task_bytes
+            if converted is not None:
+                if converted.shape != task.param_weight.shape:
+                    raise UserError(
+                        f"{source.path}: {names[0]} converts to shape {list(converted.shape)}, the model built from "
+                        f"config.json needs {list(task.param_weight.shape)} for {task.param_name}"
+                    )
+                with torch.no_grad():
+                    task.param_weight.data.copy_(converted)
+            del hf_weights, converted
+            bar.advance(task_bytes, tensors=len(fresh))
+    model_bridge._broadcast_shared_embeddings(model)
+    return seen & set(source.tensors), nbytes
+
+
+def _hf_names(hf_param: str | dict[str, str]) -> list[str]:
+    return [hf_param] if isinstance(hf_param, str) else list(hf_param.values())
+
+
+def import_hf(
+    hf: str | Path,
+    out: str | Path,
+    *,
+    verify: bool = False,
+    overwrite: bool = False,
+    tolerance: float = VERIFY_TOLERANCE,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    progress: bool = True,
+    console: Callable[[str], None] | None = print,
+) -> ConversionSummary:
+    """Convert the HF checkpoint ``hf`` into a Megatron (torch_dist) checkpoint at ``out``.
+
+    ``out`` receives ``iter_0000000/`` + ``latest_checkpointed_iteration.txt`` (what recipes load with
+    ``checkpoint.pretrained_checkpoint=out``) and ``hf_source/`` (config.json bytes, tokenizer files).
+    """
+    start = time.perf_counter()
+    hf, target = Path(hf), Path(out)
+    _check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
+    if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--verify runs in one process; drop it under torchrun and verify on one GPU (see docs)")
+    source = inspect_hf_dir(hf)
+    summary = ConversionSummary(direction="import", out=target)
+    _say(console, f"importing {SUPPORTED_ARCHITECTURES[source.architecture]} from {hf} "
+                  f"({len(source.tensors)} tensors, {_human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
+
+    cpu = _prepare_runtime()
+    import torch
+    from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
+    from megatron.bridge.training.model_load_save import save_megatron_model
+
+    dtype = getattr(torch, source.dtype)
+    with _distributed(cpu), _staged_output(target) as staging:
+        pretrained = PreTrainedCausalLM(model_name_or_path=str(hf.absolute()), torch_dtype=dtype)
+        pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
+        bridge = _bridge_for(source.config, pretrained)
+        model = _build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
+        used, summary.bytes = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
+        summary.tensors = len(used)
+        unused = sorted(set(source.tensors) - used)
+        if unused:
+            summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
+        tokenizer = hf.absolute() if _hf_tokenizer_loadable(hf) else None
+        _say(console, "writing torch_dist checkpoint")
+        save_megatron_model(model, str(staging), hf_tokenizer_path=tokenizer, low_memory_save=True)
+        del model
+        if _is_rank0():
+            side = staging / HF_SOURCE_DIR
+            side.mkdir()
+            shutil.copy2(hf / "config.json", side / "config.json")
+            _copy_side_files(hf, side)
+            record = {
+                "direction": "import",
+                "source": str(hf.absolute()),
+                "architecture": source.architecture,
+                "dtype": source.dtype,
+                "fp8_source": source.fp8,
+                "tensors": {k: v.dtype for k, v in sorted(source.tensors.items())},
+            }
+            (side / CONVERSION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        if verify:
+            iter_dir, _ = find_iteration(staging)
+            _say(console, "verifying: transformers vs Megatron logits in fp32")
+            summary.max_logit_diff = verify_logits(hf, iter_dir, source=source, cpu=cpu)
+            if not summary.max_logit_diff <= tolerance:
+                raise UserError(
+                    f"verification failed: max |logit difference| {summary.max_logit_diff:.3e} exceeds the tolerance "
+                    f"{tolerance:.0e}; nothing was written to {target}"
+                )
+    summary.seconds = time.perf_counter() - start
+    return summary

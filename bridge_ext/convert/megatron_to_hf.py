@@ -1,0 +1,247 @@
+"""Export: a Megatron checkpoint (import output or a training run) -> a Hugging Face directory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.convert.hf_dir import (
+    CONVERSION_RECORD,
+    SUPPORTED_ARCHITECTURES,
+    _FLOAT_ST,
+    _SAFETENSORS_DTYPES,
+    _TORCH_TO_ST,
+    _config_from_dir,
+    _copy_side_files,
+    _expected_hf_tensors,
+    inspect_hf_dir,
+)
+from bridge_ext.convert.megatron_ckpt import (
+    _cause_line,
+    _checkpoint_param_dtype,
+    _hf_source_for_checkpoint,
+    _load_model_weights,
+    _tokenizer_dirs,
+    find_iteration,
+)
+from bridge_ext.convert.model import _bridge_for, _build_model, _ConfigSource, _prepare_runtime
+from bridge_ext.convert.parallel import _distributed, _is_rank0
+from bridge_ext.convert.report import ConversionSummary, _Progress, _say
+from bridge_ext.convert.staging import _check_target, _staged_output
+from bridge_ext.errors import UserError
+
+__all__ = ['DEFAULT_SHARD_BYTES', 'export_hf']
+
+
+# Hugging Face's own default (transformers' max_shard_size "5GB").
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+# Kept in float32 by DeepSeek-V3 / Kimi K2 releases whatever the model dtype; also exported that way.
+_FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
+
+
+class _ShardWriter:
+    """Writes planned safetensors shards in place: each tensor goes to its offset as soon as it arrives.
+
+    The plan (names, shapes, dtypes -> shard and offset) comes from the architecture's tensor list, so the
+    headers are written first and no shard is ever buffered in memory.
+    """
+
+    def __init__(self, out: Path, plan: dict[str, tuple[tuple[int, ...], str]], *, shard_bytes: int):
+        self.out = out
+        self.expected = plan
+        shards: list[list[str]] = [[]]
+        size = 0
+        for name, (shape, code) in plan.items():
+            nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[code]
+            if shards[-1] and size + nbytes > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        count = len(shards)
+        self.files: list[str] = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self.where: dict[str, tuple[int, int, int]] = {}  # name -> (shard, absolute offset, nbytes)
+        self._handles = []
+        self.total_bytes = 0
+        for i, names in enumerate(shards):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name in names:
+                shape, code = plan[name]
+                nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[code]
+                header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)  # safetensors pads headers to 8 bytes with spaces
+            handle = open(out / self.files[i], "wb", buffering=0)
+            handle.write(struct.pack("<Q", len(blob)) + blob)
+            handle.truncate(8 + len(blob) + offset)
+            self._handles.append(handle)
+            base = 8 + len(blob)
+            for name in names:
+                begin, end = header[name]["data_offsets"]
+                self.where[name] = (i, base + begin, end - begin)
+            self.total_bytes += offset
+        self.written: set[str] = set()
+
+    def write(self, name: str, tensor: Any) -> int:
+        import torch
+
+        if name not in self.where:
+            raise RuntimeError(f"export produced {name}, which the architecture does not have")
+        if name in self.written:
+            raise RuntimeError(f"export produced {name} twice")
+        shape, code = self.expected[name]
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError(f"export produced {name} with shape {list(tensor.shape)}, expected {list(shape)}")
+        shard, offset, nbytes = self.where[name]
+        target = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[code]
+        data = tensor.detach().to("cpu", target).contiguous()
+        if data.numel():
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # no copy
+            fd = self._handles[shard].fileno()
+            done = 0
+            while done < nbytes:  # pwrite may write less than asked
+                done += os.pwrite(fd, view[done:], offset + done)
+        self.written.add(name)
+        return nbytes
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
+        missing = [n for n in self.expected if n not in self.written]
+        if missing:
+            raise RuntimeError(f"export did not produce {missing[0]} ({len(missing)} tensors missing)")
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {name: self.files[self.where[name][0]] for name in self.expected},
+        }
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        for handle in self._handles:
+            with contextlib.suppress(Exception):
+                handle.close()
+
+
+def _export_config_json(hf_source: Path, dest: Path, *, dtype: str) -> list[str]:
+    """Write config.json: the source's bytes unchanged, unless the weights now differ in format.
+
+    A source with an fp8 ``quantization_config`` was dequantized on import; keeping that key would make
+    loaders expect fp8 tensors and scales, so it is dropped (the only change) and a note is returned.
+    """
+    raw_bytes = (hf_source / "config.json").read_bytes()
+    raw = json.loads(raw_bytes)
+    if "quantization_config" not in raw:
+        (dest / "config.json").write_bytes(raw_bytes)
+        return []
+    raw.pop("quantization_config")
+    declared = raw.get("torch_dtype")
+    if declared not in (None, dtype):
+        raw["torch_dtype"] = dtype
+    (dest / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return [f"config.json: dropped the source's fp8 quantization_config (weights are exported as {dtype})"]
+
+
+def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    expected = _expected_hf_tensors(config)
+    code = _TORCH_TO_ST[dtype]
+    plan = {}
+    for name, shape in expected.items():
+        recorded = source_dtypes.get(name)
+        if recorded in _FLOAT_ST:
+            plan[name] = (shape, recorded)
+        elif name.endswith(_FP32_TENSOR_SUFFIXES):
+            plan[name] = (shape, "F32")
+        else:
+            plan[name] = (shape, code)
+    return plan
+
+
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    iteration: int | None = None,
+    overwrite: bool = False,
+    hf_config: str | Path | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    progress: bool = True,
+    console: Callable[[str], None] | None = print,
+) -> ConversionSummary:
+    """Convert a Megatron checkpoint (``import`` output or a training run) into an HF directory at ``out``."""
+    start = time.perf_counter()
+    ckpt, target = Path(ckpt), Path(out)
+    _check_target(target, overwrite=overwrite, inputs=[ckpt] if ckpt.exists() else [])
+    iter_dir, number = find_iteration(ckpt, iteration)
+    hf_source = _hf_source_for_checkpoint(ckpt, iter_dir, Path(hf_config) if hf_config else None)
+    source = inspect_hf_dir(hf_source, check_tensors=False) if any(hf_source.glob("*.safetensors")) else None
+    if source is None:
+        config, architecture, raw = _config_from_dir(hf_source)
+    else:
+        config, architecture, raw = source.config, source.architecture, source.raw_config
+    record_file = hf_source / CONVERSION_RECORD
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    declared = str(raw.get("torch_dtype") or raw.get("dtype") or record.get("dtype") or "bfloat16")
+    declared = declared.replace("torch.", "")
+    if declared not in _TORCH_TO_ST:
+        raise UserError(f"{hf_source}/config.json: unsupported torch_dtype {declared!r}")
+    _say(console, f"exporting {SUPPORTED_ARCHITECTURES[architecture]} iteration {number} from {iter_dir} "
+                  f"(config from {hf_source})")  # fmt: skip
+
+    cpu = _prepare_runtime()
+
+    summary = ConversionSummary(direction="export", out=target)
+    stored = _checkpoint_param_dtype(iter_dir)
+    plan = _export_plan(config, dtype=declared, source_dtypes=record.get("tensors", {}))
+    with _distributed(cpu), _staged_output(target) as staging:
+        bridge = _bridge_for(config)
+        model = _build_model(bridge, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)
+        try:
+            _load_model_weights(iter_dir, model)
+        except (UserError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException with a multi-line report
+            raise UserError(
+                f"{iter_dir} does not match the model in {hf_source}/config.json ({_cause_line(exc)})"
+            ) from None
+        shim = _ConfigSource(config, plan.keys(), str(hf_source))
+        writer = _ShardWriter(staging, plan, shard_bytes=shard_bytes) if _is_rank0() else None
+        try:
+            with _Progress("export", total=len(plan), enabled=progress and _is_rank0()) as bar:
+                for name, tensor in bridge._model_bridge.stream_weights_megatron_to_hf(
+                    model, shim, cpu=True, show_progress=False
+                ):
+                    if writer is not None:
+                        nbytes = writer.write(name, tensor)
+                        summary.tensors += 1
+                        summary.bytes += nbytes
+                        bar.advance(nbytes)
+            if writer is not None:
+                writer.close()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        del model
+        if _is_rank0():
+            summary.notes += _export_config_json(hf_source, staging, dtype=declared)
+            copied = _copy_side_files(hf_source, staging)
+            for tokenizer_dir in _tokenizer_dirs(iter_dir):
+                copied += _copy_side_files(tokenizer_dir, staging)
+            if not any(name.startswith("tokenizer") or name.endswith(".model") for name in copied):
+                summary.notes.append("no tokenizer files known for this checkpoint; add them to the export yourself")
+    summary.seconds = time.perf_counter() - start
+    return summary

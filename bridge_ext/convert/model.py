@@ -1,0 +1,115 @@
+"""Building the Megatron side of a conversion (lazy imports: torch / Megatron load only when one runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from bridge_ext.convert.experts import _add_deepseek_sequential_expert_mappings
+from bridge_ext.convert.parallel import _init_parallel
+from bridge_ext.errors import UserError
+from bridge_ext.hf import apply_config_stated_fields
+
+__all__ = []
+
+
+def _use_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _prepare_runtime() -> bool:
+    """Import guards, CPU mode when no GPU is visible, and DeepSeek SequentialMLP mappings. True on CPU."""
+    from bridge_ext.te_guard import install_te_import_guard
+
+    install_te_import_guard()
+    cpu = _use_cpu()
+    if cpu:
+        from bridge_ext import cpu_mode
+
+        if not hasattr(cpu_mode, "enable_cpu_mode"):
+            raise RuntimeError("bridge_ext.cpu_mode.enable_cpu_mode is missing; CPU conversion needs it")
+        cpu_mode.enable_cpu_mode()
+    _add_deepseek_sequential_expert_mappings()
+    return cpu
+
+
+def _configure_provider(provider: Any, *, cpu: bool, dtype: Any) -> None:
+    """Settings for building the model to convert: official Megatron options, no patches.
+
+    On CPU, :func:`bridge_ext.cpu_mode.configure_for_cpu` (local layer spec, fusions off, SequentialMLP
+    experts, allgather dispatcher); then the checkpoint's own dtype instead of CPU mode's fp32, so an
+    import holds the weights once at their stored size. No initialization: weights are loaded right after.
+    """
+    import torch
+
+    if cpu:
+        from bridge_ext.cpu_mode import configure_for_cpu
+
+        configure_for_cpu(provider)
+    provider.params_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = dtype == torch.float16
+    if hasattr(provider, "pipeline_dtype"):
+        provider.pipeline_dtype = dtype
+    if hasattr(provider, "autocast_dtype"):
+        provider.autocast_dtype = dtype
+    provider.perform_initialization = False
+    provider.use_cpu_initialization = cpu
+
+
+class _ConfigSource:
+    """What Megatron Bridge's conversion reads from an HF model, without weights.
+
+    ``build_conversion_tasks`` needs ``state.source.get_all_keys()`` (``model_bridge.py:1185``) to decide which
+    tensors exist; for an export those are the architecture's tensors, listed from a meta-device model.
+    """
+
+    def __init__(self, config: Any, keys: Iterable[str], path: str | None = None):
+        import torch
+        from megatron.bridge.models.hf_pretrained.state import StateDict
+
+        self.config = config
+        self.model_name_or_path = path
+        self.trust_remote_code = False
+        self.state = StateDict({k: torch.empty(0, device="meta") for k in keys})
+
+
+def _bridge_for(config: Any, pretrained: Any | None = None) -> Any:
+    """An ``AutoBridge`` for a transformers config (built by :func:`bridge_ext.hf.load_hf_config`)."""
+    from megatron.bridge import AutoBridge
+
+    try:
+        AutoBridge._validate_config(config)
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"Megatron Bridge cannot convert {config.architectures}: {first}") from None
+    return AutoBridge(pretrained if pretrained is not None else config)
+
+
+def _build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> list[Any]:
+    provider = bridge.to_megatron_provider(load_weights=False)
+    hf = bridge.hf_pretrained  # a PreTrainedCausalLM, or a bare transformers config
+    apply_config_stated_fields(provider, getattr(hf, "config", hf))
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    provider.sequence_parallel = False
+    _configure_provider(provider, cpu=cpu, dtype=dtype)
+    provider.finalize()
+    _init_parallel(tp=tp, pp=pp, ep=ep, cpu=cpu)
+    return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
+
+
+def _model_param_names(model: list[Any]) -> list[tuple[int, str]]:
+    from megatron.bridge.models.conversion.model_bridge import persistent_buffers
+
+    names = []
+    for vp, module in enumerate(model):
+        for name, _ in list(module.named_parameters()) + list(persistent_buffers(module)):
+            while name.startswith("module."):  # Float16Module / DDP wrappers, as model_bridge._unwrap_name
+                name = name[len("module.") :]
+            if "_extra_state" not in name:
+                names.append((vp, name))
+    return names

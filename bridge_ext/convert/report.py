@@ -1,0 +1,147 @@
+"""Conversion summary, progress bar over tensors, and upstream chatter kept out of the CLI's output."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.convert.parallel import _is_rank0
+from bridge_ext.errors import UserError
+
+__all__ = ['ConversionSummary']
+
+
+@dataclass
+class ConversionSummary:
+    """What a conversion did: the final line the CLI prints (tensors, bytes, time, throughput)."""
+
+    direction: str
+    out: Path
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    max_logit_diff: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second over the whole conversion."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        verified = "" if self.max_logit_diff is None else f", verified: max |logit diff| {self.max_logit_diff:.2e}"
+        return (
+            f"{self.direction}: {self.tensors} tensors, {_human_bytes(self.bytes)} in {self.seconds:.1f} s "
+            f"({_human_bytes(self.throughput)}/s){verified} -> {self.out}"
+        )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+class _Progress:
+    """A rich progress bar over tensors (with bytes), or nothing when disabled / not on rank 0."""
+
+    def __init__(self, description: str, *, total: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            from rich.console import Console
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tensors"),
+                TextColumn("{task.fields[size]}"),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                transient=False,
+                console=Console(file=_REAL_STREAMS[1]) if _REAL_STREAMS else None,
+            )
+        self._description = description
+        self._total = total
+        self._bytes = 0
+
+    def __enter__(self) -> _Progress:
+        self._start = time.perf_counter()
+        if self._bar is not None:
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self._description, total=self._total, size="", rate="")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, nbytes: int, *, tensors: int = 1) -> None:
+        """``tensors`` more done (HF tensors: a fused Megatron parameter counts its parts), ``nbytes`` more."""
+        self._bytes += nbytes
+        if self._bar is not None:
+            elapsed = max(time.perf_counter() - self._start, 1e-9)
+            self._bar.update(self._task, advance=tensors, size=_human_bytes(self._bytes),
+                             rate=f"{_human_bytes(self._bytes / elapsed)}/s")  # fmt: skip
+
+
+# (stdout, stderr) while :func:`_quiet_upstream` captures upstream chatter; our own output goes here.
+_REAL_STREAMS: tuple[Any, Any] | None = None
+
+
+@contextlib.contextmanager
+def _quiet_upstream(*, verbose: bool) -> Iterator[Callable[[str], None]]:
+    """Keep Megatron / transformers / torch chatter (prints, tqdm bars, warnings) out of the CLI's output.
+
+    Yields the function that prints our own progress lines. Upstream output is buffered and shown (last 60
+    lines) only if the conversion fails with something other than a :class:`UserError`.
+    """
+    global _REAL_STREAMS
+    import io
+    import logging
+    import warnings
+
+    real_out, real_err = sys.stdout, sys.stderr
+
+    def say(message: str) -> None:
+        print(message, file=real_out, flush=True)
+
+    if verbose:
+        yield say
+        return
+    # Environment, not imports: importing transformers here would cost seconds before input is validated.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # child processes (checkpoint writers) import torch too
+    for name in ("megatron", "torch", "transformers", "nvidia_resiliency_ext", "root"):
+        logging.getLogger(None if name == "root" else name).setLevel(logging.ERROR)
+    buffer = io.StringIO()
+    _REAL_STREAMS = (real_out, real_err)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            warnings.simplefilter("ignore")
+            yield say
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        tail = buffer.getvalue().splitlines()[-60:]
+        if tail:
+            print("--- last upstream output ---\n" + "\n".join(tail), file=real_err)
+        raise
+    finally:
+        _REAL_STREAMS = None
+
+
+def _say(console: Callable[[str], None] | None, message: str) -> None:
+    if console is not None and _is_rank0():
+        console(message)
