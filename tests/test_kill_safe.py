@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from importlib import metadata
 import torch
 
 from bridge_ext import checkpoints
@@ -258,12 +257,7 @@ def test_killed_at_every_stage_of_a_save_resumes_exactly(tmp_path):
                 "complete one") in last["log"]
         got = losses(record, skip)
         assert [it for it, _ in got] == list(range(6, ITERS + 1))
-        exact = all(loss == reference[it] for it, loss in got)
-        if not exact and metadata.version("megatron-bridge") == "0.3.0":
-            # Open (issue 15 note): measured on the container stack, this fallback (ckpt_step=5 while the
-            # tracker names 6) resumes at the right iteration but its losses differ from the straight run.
-            pytest.xfail(f"megatron-bridge 0.3.0: fallback resume not bit-exact: {got}")
-        assert exact, got
+        assert all(loss == reference[it] for it, loss in got), got
         assert read_tracker(run)[0] == ITERS
         assert sorted(checkpoints.iterations(run)) == [8, 10]  # most_recent_k=2, applied after each commit
         assert sorted(checkpoints.iterations(tmp_path / "straight")) == [8, 10]
