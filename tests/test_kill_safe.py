@@ -205,6 +205,7 @@ KILLS = (
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_killed_at_every_stage_of_a_save_resumes_exactly(tmp_path):
     """qwen3_proxy_muon, 10 iterations, a save every 2, keeping 2: one straight run, then the same command run
     again and again, each run killed at another moment (KILLS); each rerun resumes where training and export
