@@ -23,9 +23,9 @@ from bridge_ext.stack import UpstreamDrift
 
 __all__ = ["main"]
 
-OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan")
+OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan", "plan")
 # Modules that add subcommands through `register(subparsers)`; each imports its heavy parts lazily.
-_COMMAND_MODULES = ("convert", "data", "compare", "muon")
+_COMMAND_MODULES = ("convert", "data", "compare", "muon", "plan")
 
 
 def _err(text: str) -> None:

@@ -1,0 +1,303 @@
+"""``nemo llm plan``: what a recipe costs before it launches (memory per GPU, FLOPs, tokens, GPU-hours).
+
+Pure Python from the recipe's shipped HF ``config.json``, preset and layout: no torch, no model, well under
+a second. Parts: ``ranks`` (parameters per pipeline rank under TP/PP/VP/EP/ETP), ``memory`` (bytes per
+component, fit verdicts), ``flops`` (Megatron Bridge's own FLOP counter, compiled from its installed source);
+Newton-Schulz FLOPs come from the Muon routing manifest (``bridge_ext.muon.muon_plan``), tokens and steps
+from ``recipes.budget``. Throughput defaults are NVIDIA's measured figures (``BLOG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bridge_ext.errors import UserError, closest
+from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
+from bridge_ext.plan.ranks import RankParams, Spec, rank_params
+
+__all__ = ["BLOG", "OVERRIDABLE", "Plan", "format_plan", "plan", "register"]
+
+# NVIDIA Technical Blog, "Advancing Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron"
+# (2026-04-22), Table 1, GB300 NVL72, MXFP8, Megatron Bridge 26.02, TFLOP/s per GPU. Muon's figure counts
+# model + Newton-Schulz FLOPs (Kimi K2: 1,029 + 51; Qwen3-30B-A3B: 686 + 35).
+BLOG_URL = ("https://developer.nvidia.com/blog/advancing-emerging-optimizers-for-accelerated-llm-training-with-"
+            "nvidia-megatron/")
+BLOG = {("kimi_k2", "gb300", "muon"): 1080.0, ("kimi_k2", "gb300", "adamw"): 1051.0,
+        ("qwen3_30b_a3b", "gb300", "muon"): 721.0, ("qwen3_30b_a3b", "gb300", "adamw"): 713.0}
+
+# `key=value` overrides the plan understands (the layout's and the run's sizes), and the Layout field each sets.
+OVERRIDABLE = {
+    "model.tensor_model_parallel_size": "tp", "model.pipeline_model_parallel_size": "pp",
+    "model.virtual_pipeline_model_parallel_size": "vp", "model.expert_model_parallel_size": "ep",
+    "model.expert_tensor_parallel_size": "etp", "model.context_parallel_size": "cp",
+    "model.seq_length": "seq_length", "model.pipeline_model_parallel_layout": "pipeline_layout",
+    "train.micro_batch_size": "micro_batch_size", "train.global_batch_size": "global_batch_size",
+    "gpus": "gpus",
+}
+_RECOMPUTE = ("model.recompute_granularity", "model.recompute_modules", "model.recompute_method",
+              "model.recompute_num_layers")
+_OPTIMIZER = ("optimizer.optimizer", "optimizer.use_distributed_optimizer")
+_OTHER = ("train.train_iters",)
+
+_LABELS: dict[OptimizerKind, str] = {
+    "dist_muon": "Muon, layer-wise sharded (dist_muon)", "muon": "Muon, unsharded (muon)",
+    "adam_distributed": "AdamW, distributed optimizer", "adam": "AdamW, unsharded",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    preset: str
+    layout: str
+    spec: Spec
+    parallel: dict[str, Any]
+    micro_batches: int
+    params_total: int
+    params_active: int
+    ranks: tuple[RankParams, ...]
+    memory: dict[OptimizerKind, Memory]  # the pipeline rank with the largest total, per optimizer
+    selected: OptimizerKind
+    model_flops_per_step: float
+    ns_flops_per_step: int
+    tokens_per_step: int
+    train_iters: int
+    tflops_per_gpu: float | None
+    tflops_source: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens_per_step * self.train_iters
+
+    @property
+    def muon_saving_gb(self) -> float:
+        """AdamW (distributed optimizer) minus layer-wise Muon, per GPU."""
+        return (self.memory["adam_distributed"].total - self.memory["dist_muon"].total) / GB
+
+    @property
+    def gpu_hours(self) -> float | None:
+        if not self.tflops_per_gpu:
+            return None
+        flops = (self.model_flops_per_step + self.ns_flops_per_step) * self.train_iters
+        return flops / (self.tflops_per_gpu * 1e12) / 3600
+
+    def verdicts(self, kind: OptimizerKind | None = None) -> dict[str, str]:
+        total = self.memory[kind or self.selected].total
+        return {gpu: verdict(total, gpu) for gpu in GPUS}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe, "preset": self.preset, "layout": self.layout, "spec": self.spec,
+            "parallel": self.parallel, "micro_batches_per_step": self.micro_batches,
+            "params_total": self.params_total, "params_active": self.params_active,
+            "params_per_rank": [{"pp_rank": r.pp_rank, "layers": len(r.layers), "total": r.total, "dense": r.dense,
+                                 "expert": r.expert, "muon": r.routed("muon")} for r in self.ranks],
+            "memory_per_gpu": {kind: m.as_dict() for kind, m in self.memory.items()},
+            "selected_optimizer": self.selected, "fit": self.verdicts(),
+            "gpus_gb": GPUS, "fits_at_most": HEADROOM,
+            "muon_saving_gb_per_gpu": self.muon_saving_gb,
+            "model_flops_per_step": self.model_flops_per_step, "ns_flops_per_step": self.ns_flops_per_step,
+            "ns_over_model": self.ns_flops_per_step / self.model_flops_per_step,
+            "tokens_per_step": self.tokens_per_step, "train_iters": self.train_iters,
+            "total_tokens": self.total_tokens, "tflops_per_gpu": self.tflops_per_gpu,
+            "tflops_source": self.tflops_source, "gpu_hours": self.gpu_hours, "notes": list(self.notes),
+        }
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _apply_overrides(layout, overrides: list[str]) -> tuple[Any, dict[str, Any], dict[str, Any], int | None]:
+    sizes, recompute, optimizer, iters = {}, dict(layout.model), {}, None
+    known = (*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise UserError(f"'{item}' is not KEY=VALUE; e.g. train.global_batch_size=2048")
+        if key not in known:
+            raise UserError(f"`nemo llm plan` cannot take '{key}'{closest(key, known)}; it takes: {', '.join(known)}")
+        value = _parse_value(text)
+        if key in OVERRIDABLE:
+            if OVERRIDABLE[key] != "pipeline_layout" and not (value is None and OVERRIDABLE[key] == "vp") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise UserError(f"{key} must be a positive integer, got {text!r}")
+            sizes[OVERRIDABLE[key]] = value
+        elif key in _RECOMPUTE:
+            recompute[key.removeprefix("model.")] = value
+        elif key in _OPTIMIZER:
+            optimizer[key.removeprefix("optimizer.")] = value
+        else:
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{key} must be a positive integer, got {text!r}")
+            iters = value
+    return replace(layout, **sizes), recompute, optimizer, iters
+
+
+def _selected(opt: dict[str, Any]) -> OptimizerKind:
+    name = opt.get("optimizer", "adam")
+    if name in ("muon", "dist_muon"):
+        return name
+    if name != "adam":
+        raise UserError(f"optimizer.optimizer={name} is not planned; use muon, dist_muon or adam")
+    return "adam_distributed" if opt.get("use_distributed_optimizer") else "adam"
+
+
+def _default_tflops(recipe, layout, kind: str) -> tuple[float | None, str]:
+    model = recipe.model.name
+    gpu = layout.cluster.split("x")[0]
+    value = BLOG.get((model, gpu, kind))
+    if value is None:
+        return None, "no measured figure for this model and GPU: pass --tflops-per-gpu"
+    return value, f"NVIDIA's measured {value:,.0f} TFLOP/s/GPU ({recipe.model.display}, {kind}, GB300 MXFP8; {BLOG_URL})"
+
+
+def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, overrides: list[str] = (),
+         tflops_per_gpu: float | None = None, spec: Spec = "te") -> Plan:
+    """The plan of ``recipe`` (a name or ``recipes.Recipe``) on a layout, with ``key=value`` overrides."""
+    from bridge_ext.muon import muon_plan
+    from bridge_ext.plan.flops import model_flops_per_step
+    from recipes import RECIPES, get_recipe
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if preset:
+        recipe = recipe.with_preset(preset)
+    chosen, recompute, optimizer, iters = _apply_overrides(recipe.layout(layout), list(overrides))
+    hf = recipe.model.hf_config
+    problems = chosen.problems(recipe.model.num_layers)
+    if chosen.tp > 1 and hf["num_attention_heads"] % chosen.tp:
+        problems.append(f"{hf['num_attention_heads']} attention heads do not split over tp={chosen.tp}")
+    experts = hf.get("n_routed_experts") or hf.get("num_experts")
+    if experts and experts % chosen.ep:
+        problems.append(f"{experts} experts do not split over ep={chosen.ep}")
+    if problems:
+        raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
+    planned = replace(recipe, layouts={chosen.cluster: chosen})
+    manifest = muon_plan(planned, layout=chosen.cluster)
+    # Routes as Muon would take them (for the Muon rows of an AdamW recipe too): 2-D, not embedding/output.
+    muon_twin = next((r for r in (recipe, RECIPES.get(recipe.twin)) if r and r.preset.kind == "muon"), None)
+    routes = manifest if muon_twin is None or recipe.preset.kind == "muon" else muon_plan(
+        replace(muon_twin, layouts={chosen.cluster: chosen}), layout=chosen.cluster)
+    ranks = rank_params(hf, routes.rows, chosen, spec=spec)
+    micro_batches = chosen.global_batch_size // (chosen.micro_batch_size * chosen.dp)
+    activations = {r.pp_rank: activation_bytes(hf, chosen, r, micro_batches=micro_batches, recompute=recompute)
+                   for r in ranks}
+    memory = {}
+    for kind in _LABELS:
+        per_rank = [Memory(optimizer=kind, pp_rank=r.pp_rank, params=r.total, activations=activations[r.pp_rank],
+                           **model_state(r, chosen, kind, muon=kind in ("dist_muon", "muon")))
+                    for r in ranks]
+        memory[kind] = max(per_rank, key=lambda m: m.total)
+    selected = _selected({**recipe.preset.optimizer, **optimizer})
+    if iters is None:
+        iters = recipe.train_iters(chosen)  # the published token budget at this layout's tokens per step
+    kind = "muon" if recipe.preset.kind == "muon" else "adamw"
+    source = "--tflops-per-gpu"
+    if tflops_per_gpu is None:
+        tflops_per_gpu, source = _default_tflops(recipe, chosen, kind)
+    notes = [f"memory: the pipeline rank with the largest total; GB here = GiB (2^30 bytes); fits = at most {HEADROOM:.0%} of "
+             "the GPU (the rest: CUDA context, NCCL/TE buffers, fragmentation); activations are an estimate",
+             f"layer spec: {'Transformer Engine (GPUs)' if spec == 'te' else 'local (CPU)'}"]
+    if chosen.precision.endswith("mxfp8_mixed"):
+        notes.append("MXFP8 parameter all-gather: weights counted at 2 B (fp8 row- and column-wise copies + scales)")
+    return Plan(
+        recipe=recipe.name, preset=recipe.preset.name, layout=chosen.cluster, spec=spec,
+        parallel=chosen.parallelism(), micro_batches=micro_batches,
+        params_total=manifest.params_total, params_active=recipe.model.params.active, ranks=tuple(ranks),
+        memory=memory, selected=selected,
+        model_flops_per_step=model_flops_per_step(hf, seq_length=chosen.seq_length, tp=chosen.tp,
+                                                  global_batch_size=chosen.global_batch_size),
+        ns_flops_per_step=manifest.ns_flops_per_step, tokens_per_step=chosen.global_batch_size * chosen.seq_length,
+        train_iters=iters, tflops_per_gpu=tflops_per_gpu, tflops_source=source, notes=tuple(notes))
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _n(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g} {unit}"
+    return f"{value:.4g}"
+
+
+def format_plan(p: Plan) -> str:
+    par = p.parallel
+    shape = " ".join(f"{k.upper()}{v}" for k, v in par.items() if k != "gpus" and v is not None)
+    worst = max(p.ranks, key=lambda r: r.total)
+    lines = [f"plan {p.recipe} (preset {p.preset}; layout {p.layout}: {par['gpus']} GPUs, {shape}; "
+             f"{p.micro_batches} micro-batches per step)", "",
+             f"parameters   {_n(p.params_total)} total, {_n(p.params_active)} active; per GPU at most "
+             f"{_n(worst.total)} (pipeline rank {worst.pp_rank}: {len(worst.layers)} layers, dense {_n(worst.dense)}, "
+             f"experts {_n(worst.expert)}, Muon-routed {_n(worst.routed('muon'))})", "",
+             "memory per GPU, GB       weights   grads  fp32 main  opt state  activations    total  "
+             + "  ".join(f"{g} {c}" for g, c in GPUS.items())]
+    for kind, label in _LABELS.items():
+        m = p.memory[kind]
+        mark = "*" if kind == p.selected else " "
+        fits = "  ".join(f"{'ok' if v == 'fits' else 'tight' if v == 'tight' else 'NO':>{len(g) + len(str(c)) + 1}}"
+                         for (g, c), v in zip(GPUS.items(), p.verdicts(kind).values()))
+        lines.append(f"{mark}{label:<37}"[:38] + f"{m.weights / GB:>8.1f}{m.grads / GB:>8.1f}{m.main_params / GB:>11.1f}"
+                     f"{m.optimizer_state / GB:>11.1f}{m.activations / GB:>13.1f}{m.total / GB:>9.1f}  {fits}")
+    lines.append(f"(* this recipe's optimizer; Muon saves {p.muon_saving_gb:.1f} GB per GPU against AdamW with the "
+                 "distributed optimizer)")
+    total = p.memory[p.selected].total
+    for gpu, v in p.verdicts().items():
+        share = total / (GPUS[gpu] * GB)
+        text = {"fits": "fits on", "tight": "tight on (over 90 %)", "does not fit": "does not fit on"}[v]
+        lines.append(f"  {text} {gpu} ({GPUS[gpu]} GB): {share:.0%} of its memory")
+    lines += ["",
+              f"FLOPs/step   model {p.model_flops_per_step:.3e} (Megatron Bridge flop_utils), Newton-Schulz "
+              f"{p.ns_flops_per_step:.3e} ({p.ns_flops_per_step / p.model_flops_per_step:.2%} of model)",
+              f"tokens       {p.tokens_per_step:,} per step x {p.train_iters:,} steps = {_n(p.total_tokens)} tokens"]
+    if p.gpu_hours is not None:
+        days = p.gpu_hours / par["gpus"] / 24
+        lines.append(f"GPU-hours    {p.gpu_hours:,.0f} at {p.tflops_per_gpu:,.0f} TFLOP/s/GPU (model + NS): "
+                     f"{days:,.1f} days on {par['gpus']} GPUs; source: {p.tflops_source}")
+    else:
+        lines.append(f"GPU-hours    {p.tflops_source}")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    overrides = []
+    layout, preset = args.layout, args.preset
+    for item in args.overrides:  # layout=NAME / preset=NAME select recipe parts, as for pretrain
+        key, _, value = item.partition("=")
+        if key == "layout":
+            layout = value
+        elif key == "preset":
+            preset = value
+        else:
+            overrides.append(item)
+    if args.tflops_per_gpu is not None and args.tflops_per_gpu <= 0:
+        raise UserError(f"--tflops-per-gpu must be positive, got {args.tflops_per_gpu}")
+    result = plan(args.recipe, layout=layout, preset=preset, overrides=overrides, tflops_per_gpu=args.tflops_per_gpu,
+                  spec=args.spec)
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``plan`` to ``nemo llm``."""
+    p = subparsers.add_parser("plan", help="memory per GPU, FLOPs, tokens and GPU-hours of a recipe (no GPU)",
+                              description="From the recipe's shipped HF config, preset and layout; no torch.")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first); or layout=NAME")
+    p.add_argument("--preset", help="another optimizer preset; or preset=NAME")
+    p.add_argument("--tflops-per-gpu", type=float, help="throughput for GPU-hours (default: NVIDIA's measured "
+                   "figure where one exists: Kimi K2 1,080 / Qwen3-30B-A3B 721 on GB300 with Muon)")
+    p.add_argument("--spec", choices=("te", "local"), default="te",
+                   help="layer spec: te (GPUs, default) or local (CPU runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=f"layout=, preset=, or one of: {', '.join((*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER))}")
+    p.set_defaults(func=cmd_plan)

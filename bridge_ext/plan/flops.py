@@ -1,0 +1,141 @@
+"""Model FLOPs per step from Megatron Bridge's own counter, without importing torch or Megatron.
+
+``megatron.bridge.training.utils.flop_utils.num_floating_point_operations(cfg, batch_size)`` is what makes
+the TFLOP/s that Megatron Bridge logs (and NVIDIA's benchmark reports). Importing that module imports torch,
+Megatron Bridge's config and its PEFT code (about 10-20 s on a small machine; ``import_cost_s`` measures it),
+so ``nemo llm plan`` runs the installed function's own source instead: the function is read from the
+installed file, compiled with its module-level names bound to plain stand-ins (``F.silu`` a marker,
+``LoRA`` a class no config is an instance of, ``calculate_padded_vocab_size`` compiled the same way from
+``megatron/bridge/utils/vocab_utils.py``), and called on a ``cfg.model`` holding the provider fields the
+counter reads, mirrored from the HF ``config.json`` as AutoBridge maps them (:func:`provider_fields`).
+``tests/test_plan.py`` checks both against the imported module on the real ``ConfigContainer``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib.util
+import time
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from bridge_ext.stack import UpstreamDrift, package_of
+
+__all__ = ["FLOP_UTILS", "flop_counter", "import_cost_s", "model_flops_per_step", "provider_fields"]
+
+FLOP_UTILS = "megatron.bridge.training.utils.flop_utils"
+_VOCAB_UTILS = "megatron.bridge.utils.vocab_utils"
+SILU = SimpleNamespace(name="silu")  # stands for torch.nn.functional.silu in the counter's comparison
+
+
+class _NoLoRA:
+    """Stands for ``megatron.bridge.peft.lora.LoRA``: pre-training configs have no PEFT."""
+
+
+def _module_file(module: str) -> Path:
+    """The installed file of ``module`` without importing it (or its packages' ``__init__``)."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)  # `megatron` is a namespace package: importing it runs nothing
+    if spec is None or not spec.submodule_search_locations:
+        raise UpstreamDrift(f"{package_of(module)}: {module} is not installed; `nemo llm plan` needs it for FLOPs")
+    for root in spec.submodule_search_locations:
+        path = Path(root, *rest).with_suffix(".py")
+        if path.is_file():
+            return path
+    raise UpstreamDrift(f"{package_of(module)}: {module} not found; `nemo llm plan` reads its FLOP counter")
+
+
+def _functions(module: str, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Callable]:
+    """Compile the top-level functions ``names`` of ``module``'s installed source into ``namespace``.
+
+    Decorators are dropped (``lru_cache`` only). Every global name the functions read must be in
+    ``namespace`` or be a builtin or one of the compiled functions: otherwise the upstream code changed
+    and :class:`UpstreamDrift` says so.
+    """
+    path = _module_file(module)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names}
+    if set(found) != set(names):
+        raise UpstreamDrift(f"{package_of(module)}: {module} no longer defines {sorted(set(names) - set(found))}; "
+                            "bridge_ext.plan.flops needs updating for this release")
+    for node in found.values():
+        node.decorator_list = []
+    free = {n.id for node in found.values() for n in ast.walk(node) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Load)}
+    local = {a.arg for node in found.values() for a in ast.walk(node) if isinstance(a, ast.arg)}
+    local |= {n.id for node in found.values() for n in ast.walk(node) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store)}
+    local |= {n.name for node in found.values() for n in ast.walk(node) if isinstance(n, ast.FunctionDef)}
+    unknown = sorted(free - local - set(namespace) - set(names) - set(dir(builtins)))
+    if unknown:
+        raise UpstreamDrift(f"{package_of(module)}: {module}'s {', '.join(names)} now read {unknown}; "
+                            "bridge_ext.plan.flops needs updating for this release")
+    code = compile(ast.Module(body=list(found.values()), type_ignores=[]), str(path), "exec")
+    exec(code, namespace)  # noqa: S102 - the installed Megatron Bridge's own source
+    return {name: namespace[name] for name in names}
+
+
+@cache
+def flop_counter() -> Callable[[Any, int], float]:
+    """The installed ``num_floating_point_operations(cfg, batch_size)``, compiled without torch."""
+    import math
+    from functools import lru_cache
+
+    vocab = _functions(_VOCAB_UTILS, ("calculate_padded_vocab_size", "_calculate_padded_vocab_size_cached"),
+                       {"math": math, "lru_cache": lru_cache, "print_rank_0": lambda *a, **k: None})
+
+    def _no_packed_stats(*args: Any, **kwargs: Any) -> Any:  # LoRA + packed SQuAD only
+        raise UpstreamDrift("flop_utils asked for packed-sequence statistics, which pre-training never has")
+
+    namespace = {"F": SimpleNamespace(silu=SILU), "LoRA": _NoLoRA, "ConfigContainer": object, "Path": Path,
+                 "calculate_padded_vocab_size": vocab["calculate_padded_vocab_size"],
+                 "calculate_avg_seqlen": _no_packed_stats, "_lora_seq_stats_cache": {}}
+    return _functions(FLOP_UTILS, ("num_floating_point_operations",), namespace)["num_floating_point_operations"]
+
+
+def provider_fields(hf: dict[str, Any], *, seq_length: int, tp: int) -> dict[str, Any]:
+    """The provider fields the FLOP counter reads, as AutoBridge maps an HF config (Qwen3, Qwen3-MoE,
+    DeepSeek-V3 / Kimi K2); ``tests/test_plan.py`` compares them with the provider AutoBridge builds."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    layers = hf["num_hidden_layers"]
+    experts = hf.get("n_routed_experts") or hf.get("num_experts")
+    mla = "kv_lora_rank" in hf
+    fields: dict[str, Any] = {
+        "num_layers": layers, "hidden_size": h, "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads), "ffn_hidden_size": hf["intermediate_size"],
+        "kv_channels": hf.get("head_dim") or h // heads, "vocab_size": hf["vocab_size"],
+        "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": tp, "seq_length": seq_length,
+        "gated_linear_unit": True, "activation_func": SILU, "num_moe_experts": experts,
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size") if experts else None,
+        "moe_router_topk": hf.get("num_experts_per_tok", 2) if experts else 2,
+        "moe_shared_expert_intermediate_size": None, "mtp_num_layers": None, "multi_latent_attention": mla,
+        "moe_layer_freq": 1,
+    }
+    if mla:
+        first_dense = hf.get("first_k_dense_replace", 0)
+        fields.update(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                      qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+                      v_head_dim=hf["v_head_dim"],
+                      moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense))
+    if experts and hf.get("n_shared_experts"):
+        fields["moe_shared_expert_intermediate_size"] = hf["n_shared_experts"] * hf["moe_intermediate_size"]
+    if hf.get("num_nextn_predict_layers"):
+        fields["mtp_num_layers"] = None  # AutoBridge does not build MTP layers for pre-training by default
+    return fields
+
+
+def model_flops_per_step(hf: dict[str, Any], *, seq_length: int, tp: int, global_batch_size: int) -> float:
+    """Megatron Bridge's model FLOPs for one optimizer step (``global_batch_size`` sequences)."""
+    cfg = SimpleNamespace(model=SimpleNamespace(**provider_fields(hf, seq_length=seq_length, tp=tp)),
+                          peft=None, dataset=None)
+    return float(flop_counter()(cfg, global_batch_size))
+
+
+def import_cost_s() -> float:
+    """Seconds to import the FLOP counter the ordinary way (torch + Megatron Bridge), in this process."""
+    start = time.perf_counter()
+    importlib.import_module(FLOP_UTILS)
+    return time.perf_counter() - start

@@ -1,0 +1,194 @@
+"""Bytes per GPU: weights, gradients, fp32 main weights, optimizer state and activations (no torch).
+
+Model state (megatron-core 0.16 with Megatron Bridge's ``bf16_mixed`` / ``bf16_with_mxfp8_mixed``):
+bf16 weights (2 B; MXFP8 parameter all-gather keeps row- and column-wise fp8 copies, about the same), fp32
+gradient buffer (``grad_reduce_in_fp32=True``: 4 B, full size on every rank, also under the distributed
+optimizer), fp32 main weights (4 B) for the parameters this rank's optimizer updates; ``fp32`` layouts keep
+4 B weights and gradients and no main copy. Optimizer state per updated parameter: Adam two fp32 moments
+(8 B); Muon one fp32 momentum (4 B) for the matrices it takes, Adam for the rest. Which parameters a rank
+updates:
+
+- ``adam`` with ``use_distributed_optimizer``: 1/(DP x CP) of the dense parameters and 1/(expert DP) of the
+  experts (``distrib_optimizer.py``: contiguous buffer ranges);
+- ``dist_muon``: whole tensors dealt to the DP ranks by ``LayerWiseDistributedOptimizer.shard_params``
+  (``layer_wise_optimizer.py``: sorted by size, ping-pong order, experts over the expert-DP group),
+  simulated here tensor by tensor, and the most loaded DP rank reported;
+- ``muon`` and ``adam`` without the distributed optimizer: every parameter.
+
+Activations: an estimate, per tensor megatron-core keeps for the backward pass (bf16, sequence parallel
+with TP, flash attention so no s x s tensors), the accounting of Korthikanti et al. 2022 (arXiv 2205.05198,
+sec. 4) applied to GQA/MLA, SwiGLU and top-k experts, times the micro-batches in flight on the pipeline
+rank (1F1B: PP - rank; interleaved: ``(PP - rank - 1) * 2 + (VP - 1) * PP + 1`` model chunks, as
+``schedules.py`` warms up), plus fp32 logits on the last stage. Recompute: ``full`` keeps each recomputed
+layer's input only; ``selective`` drops what the named modules recompute (``core_attn`` nothing with
+flash attention; ``mla_up_proj``, ``layernorm``, ``mlp``, ``moe_act``, ``moe``, ``shared_experts``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bridge_ext.plan.ranks import RankParams, Tensor
+from recipes.layouts import Layout
+
+__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "model_state", "verdict"]
+
+GB = 2**30  # GiB: nvidia-smi's unit; the datasheets' "80 GB" H100 has 81,559 MiB
+# Memory per GPU as NVIDIA's datasheets state it, taken as GiB.
+GPUS = {"GB300": 288, "B200": 180, "H200": 141, "H100": 80}
+HEADROOM = 0.9  # fits when the estimate is at most 90 %: the rest for CUDA context, NCCL/TE buffers, fragmentation
+
+OptimizerKind = Literal["dist_muon", "muon", "adam_distributed", "adam"]
+
+
+@dataclass(frozen=True)
+class Memory:
+    optimizer: OptimizerKind
+    pp_rank: int
+    params: int
+    weights: float
+    grads: float
+    main_params: float
+    optimizer_state: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.main_params + self.optimizer_state + self.activations
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "pp_rank": self.pp_rank, "params": self.params,
+                "weights_gb": self.weights / GB, "grads_gb": self.grads / GB, "main_params_gb": self.main_params / GB,
+                "optimizer_state_gb": self.optimizer_state / GB, "activations_gb": self.activations / GB,
+                "total_gb": self.total / GB}
+
+
+def verdict(total_bytes: float, gpu: str) -> Literal["fits", "tight", "does not fit"]:
+    capacity = GPUS[gpu] * GB
+    return "fits" if total_bytes <= HEADROOM * capacity else "tight" if total_bytes <= capacity else "does not fit"
+
+
+def _layer_wise_share(tensors: list[Tensor], dp: int, expert_dp: int) -> list[list[Tensor]]:
+    """``LayerWiseDistributedOptimizer.shard_params``: tensors per DP rank (experts over the expert-DP group).
+
+    Sorted by size (stable, Muon's group before Adam's as ``get_megatron_muon_optimizer`` chains them),
+    dealt in ping-pong order 0, 1, ..., n-1, n-1, ..., 0. Returns per rank the union of its dense and
+    expert share (rank r of the DP group and rank r of the expert-DP group are counted together, the
+    worst case when both are largest on the same rank)."""
+    ordered = sorted(sorted(tensors, key=lambda t: t.route != "muon"), key=lambda t: t.numel)
+    out: list[list[Tensor]] = [[] for _ in range(max(dp, expert_dp))]
+    for expert, size in ((False, dp), (True, expert_dp)):
+        loop = list(range(size)) + list(range(size))[::-1]
+        for i, tensor in enumerate(t for t in ordered if t.expert == expert):
+            out[loop[i % len(loop)]].append(tensor)
+    return out
+
+
+def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, muon: bool) -> dict[str, float]:
+    """Weights, gradients, main weights and optimizer state (bytes) on the most loaded DP rank of ``rank``."""
+    fp32 = layout.precision == "fp32"
+    weight_b, grad_b, main_b = (4, 4, 0) if fp32 else (2, 4, 4)
+    dp_cp = layout.gpus // (layout.tp * layout.pp)
+    expert_dp = layout.gpus // (layout.ep * layout.etp * layout.pp)
+
+    def state(tensors: Any) -> float:
+        return sum(t.numel * (main_b + (4 if muon and t.route == "muon" else 8)) for t in tensors)
+
+    tensors = list(rank.tensors)
+    if optimizer == "adam_distributed":
+        owned = state(t for t in tensors if not t.expert) / dp_cp + state(t for t in tensors if t.expert) / expert_dp
+        main = (sum(t.numel for t in tensors if not t.expert) / dp_cp
+                + sum(t.numel for t in tensors if t.expert) / expert_dp) * main_b
+    elif optimizer == "dist_muon" and max(dp_cp, expert_dp) > 1:
+        shares = _layer_wise_share(tensors, dp_cp, expert_dp)
+        worst = max(shares, key=state)
+        owned, main = state(worst), sum(t.numel for t in worst) * main_b
+    else:
+        owned, main = state(tensors), rank.total * main_b
+    return {"weights": rank.total * weight_b, "grads": rank.total * grad_b, "main_params": main,
+            "optimizer_state": owned - main}
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def _attention_elements(hf: dict[str, Any], drop: set[str]) -> tuple[float, float]:
+    """Values kept per token by one attention block (its norm included), before TP/SP sharding:
+    (other values, inputs of GEMMs, which FP8 recipes keep quantized)."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    norm = 0 if "layernorm" in drop else h  # the norm's output = the projections' input
+    if "kv_lora_rank" in hf:
+        nope, rope, v = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+        q_rank, kv_rank = hf.get("q_lora_rank") or 0, hf["kv_lora_rank"]
+        down = q_rank + kv_rank + rope  # down-projection outputs (the latent norms' inputs)
+        up_inputs = q_rank + kv_rank  # normed latents
+        up = heads * (nope + rope) + heads * (nope + v)  # up-projection outputs
+        qkv = heads * (2 * (nope + rope) + v)  # q, k (k_rope broadcast), v for the attention kernel
+        kept = 0 if "mla_up_proj" in drop else up + qkv
+        return h + down + kept, norm + up_inputs + heads * v
+    d = hf.get("head_dim") or h // heads
+    groups = hf["num_key_value_heads"]
+    qkv = (heads + 2 * groups) * d
+    qk_norm = (heads + groups) * d if hf["model_type"].startswith("qwen3") else 0
+    return h + qkv + qk_norm, norm + heads * d
+
+
+def _mlp_elements(hf: dict[str, Any], moe: bool, drop: set[str]) -> tuple[float, float]:
+    """Values kept per token by one MLP / MoE block (its norm included): (other values, GEMM inputs).
+
+    A routed token keeps its dispatched input, its fc1 output (the SwiGLU input; megatron-core applies the
+    router probability inside the activation) and its fc2 input, once per expert it is routed to."""
+    h = hf["hidden_size"]
+    norm = 0 if "layernorm" in drop else h
+    if not moe:
+        ffn = hf["intermediate_size"]
+        return (h, norm) if "mlp" in drop else (h + 2 * ffn, norm + ffn)
+    experts = hf.get("n_routed_experts") or hf["num_experts"]
+    k, width = hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+    shared = (hf.get("n_shared_experts") or 0) * width
+    other, gemm = h + 2 * experts, norm  # residual, router probabilities in fp32 (2 bf16 values)
+    if "moe" not in drop:
+        other += 0 if "moe_act" in drop else k * 2 * width
+        gemm += k * (h + width)
+    if shared and "shared_experts" not in drop:
+        other, gemm = other + 2 * shared, gemm + shared
+    return other, gemm
+
+
+def activation_bytes(hf: dict[str, Any], layout: Layout, rank: RankParams, *, micro_batches: int,
+                     recompute: dict[str, Any]) -> float:
+    """Activation memory of pipeline rank ``rank`` (bytes, estimate; see the module docstring)."""
+    from recipes.params import _is_moe_layer
+
+    tokens = layout.micro_batch_size * layout.seq_length / layout.cp / layout.tp  # per TP rank (SP)
+    value = 4 if layout.precision == "fp32" else 2
+    gemm_value = 1 + 1 / 32 if "fp8" in layout.precision else value  # FP8 keeps GEMM inputs quantized (+ scales)
+    granularity = recompute.get("recompute_granularity")
+    drop = set(recompute.get("recompute_modules") or ["core_attn"]) if granularity == "selective" else set()
+    per_layer = {}
+    for layer in rank.layers:
+        parts = (_attention_elements(hf, drop), _mlp_elements(hf, _is_moe_layer(hf, layer), drop))
+        per_layer[layer] = tokens * sum(other * value + gemm * gemm_value for other, gemm in parts)
+    if granularity == "full":
+        n = recompute.get("recompute_num_layers") or 1
+        stored = [tokens * hf["hidden_size"] * value] * len(rank.layers)  # each layer's input
+        if recompute.get("recompute_method") == "block":
+            kept = [per_layer[layer] for layer in rank.layers[n:]]
+            stage = sum(stored[:n]) + sum(kept)
+        else:
+            stage = math.ceil(len(rank.layers) / n) * stored[0] if rank.layers else 0
+        live = max(per_layer.values(), default=0) * n  # one recomputed group during its backward
+    else:
+        stage, live = sum(per_layer.values()), 0
+    pp, vp = layout.pp, layout.vp or 1
+    if vp > 1:
+        chunks = min((pp - rank.pp_rank - 1) * 2 + (vp - 1) * pp + 1, micro_batches * vp)
+        in_flight = chunks / vp  # chunks hold 1/vp of the rank's layers each
+    else:
+        in_flight = min(pp - rank.pp_rank, micro_batches)
+    total = stage * in_flight + live
+    names = {t.name for t in rank.tensors}
+    if "output_layer.weight" in names or (pp == 1 and hf.get("tie_word_embeddings")):
+        vocab = hf["vocab_size"]
+        total += tokens * (hf["hidden_size"] * value + vocab * 4)  # output-layer input, fp32 logits
+    return total
