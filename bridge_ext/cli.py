@@ -23,9 +23,10 @@ from bridge_ext.stack import UpstreamDrift
 
 __all__ = ["main"]
 
-OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan", "plan")
+OUR_COMMANDS = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan", "plan",
+                "finetune")
 # Modules that add subcommands through `register(subparsers)`; each imports its heavy parts lazily.
-_COMMAND_MODULES = ("convert", "data", "compare", "muon", "plan")
+_COMMAND_MODULES = ("convert", "data", "compare", "muon", "plan", "finetune")
 
 
 def _err(text: str) -> None:

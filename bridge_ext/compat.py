@@ -41,6 +41,7 @@ __all__ = [
     "apply_stack_fixes",
     "call_keywords",
     "check_optimizer_fields",
+    "finetune_template",
     "pretrain_template",
 ]
 
@@ -99,6 +100,60 @@ def _pretrain_common_inline():
         dist=DistributedInitConfig(),
         comm_overlap=None,
         mixed_precision="bf16_mixed",
+    )
+
+
+def finetune_template(mode: str):
+    """Megatron Bridge's base fine-tuning ``ConfigContainer``: ``_sft_common()`` (``mode="sft"``) or
+    ``_peft_common()`` (``"lora"``) of megatron-bridge 0.3.1 ``recipes/common.py``; on 0.3.0, which builds the
+    same container inside each recipe's ``_*_finetune_common``, from the same classes and values.
+    """
+    from bridge_ext.te_guard import install_te_import_guard
+
+    install_te_import_guard()
+    if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:
+        recipes_common = importlib.import_module("megatron.bridge.recipes.common")
+        name = "_sft_common" if mode == "sft" else "_peft_common"
+        if hasattr(recipes_common, name):
+            return getattr(recipes_common, name)()
+    return _finetune_common_inline(mode)
+
+
+def _finetune_common_inline(mode: str):
+    """``_sft_common()`` / ``_peft_common()`` of megatron-bridge 0.3.1 (output directories: ours replace them)."""
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.recipes.utils.finetune_utils import default_squad_config
+    from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
+        RNGConfig, TokenizerConfig, TrainingConfig,
+    )
+
+    optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
+        lr_warmup_iters=50, lr_decay_iters=None, max_lr=5e-6 if mode == "sft" else 1e-4, min_lr=0.0, adam_beta2=0.98)
+    peft = None if mode == "sft" else LoRA(
+        target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=32, alpha=32, dropout=0.0,
+        dropout_position="pre", lora_A_init_method="xavier", lora_B_init_method="zero", a2a_experimental=False,
+        lora_dtype=None)
+    return ConfigContainer(
+        model=None,  # type: ignore[arg-type]
+        train=TrainingConfig(train_iters=1000, global_batch_size=128, micro_batch_size=1, eval_interval=100,
+                             eval_iters=32),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True),
+        dataset=default_squad_config(seq_length=2048, packed_sequence=True, pad_seq_to_mult=1),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir="nemo_experiments/default/tb_logs",
+                            log_timers_to_tensorboard=True),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None),
+        checkpoint=CheckpointConfig(save_interval=100, save="nemo_experiments/default/checkpoints",
+                                    load="nemo_experiments/default/checkpoints", pretrained_checkpoint=None,
+                                    ckpt_format="torch_dist", fully_parallel_save=True),
+        rng=RNGConfig(seed=5678),
+        dist=DistributedInitConfig(),
+        comm_overlap=None,
+        mixed_precision="bf16_mixed",
+        peft=peft,
     )
 
 

@@ -51,8 +51,11 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
             f"{recipe.name} has {recipe.model.params.total / 1e9:.1f} B parameters and no GPU is visible; "
             "CPU mode is for tiny proxy recipes (see `nemo llm recipes`), or launch on GPUs with torchrun"
         )
-    description = f"dataset.blend={cfg.dataset.blend}" if cfg.dataset.blend else "mock data (NullTokenizer)"
-    if data == "text" or (data == "auto" and recipe.model.proxy_of is not None and cfg.dataset.blend is None):
+    blend = getattr(cfg.dataset, "blend", None)  # fine-tuning datasets have none: they keep their own data
+    description = (f"dataset.blend={blend}" if blend else "mock data (NullTokenizer)") if hasattr(cfg.dataset, "blend") \
+        else f"fine-tuning data {getattr(cfg.dataset, 'dataset_root', None)}"
+    if data == "text" or (data == "auto" and recipe.model.proxy_of is not None and hasattr(cfg.dataset, "blend")
+                          and blend is None):
         from bridge_ext.data import use_text_corpus
 
         description = use_text_corpus(cfg, quiet=quiet)

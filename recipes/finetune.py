@@ -1,0 +1,161 @@
+"""Fine-tuning recipes: ``<model>_sft_muon`` / ``_sft_adamw`` (full) and ``<model>_lora_muon`` / ``_lora_adamw``.
+
+The same three parts as the pre-training recipes (model spec x optimizer preset x layout); what changes is
+the preset (fine-tuning learning rate and schedule), the layout (Megatron Bridge's packed SFT batch) and,
+for LoRA, the adapters. Pure data, no torch: ``bridge_ext.finetune`` turns a recipe into Megatron Bridge's
+SFT/PEFT ``ConfigContainer`` and runs its ``finetune()``.
+
+Settings and where they come from (the recipe cards in docs/finetune.md repeat them):
+
+* Optimizer: Moonlight (arXiv 2502.16982, sec. 3.4) fine-tunes with the same Muon as pre-training (update
+  RMS matched to AdamW's, weight decay 0.1) and reports that a Muon-pretrained model fine-tuned with Muon
+  does best, and that on an AdamW-pretrained model Muon SFT is on par with AdamW. So the Muon presets are
+  the pre-training ones (``moonlight`` for Qwen3, ``kimi_k2`` = MuonClip for Kimi K2) with a fine-tuning
+  schedule; each has an AdamW twin with the same schedule. The paper does not state its SFT learning rate,
+  schedule or batch in a form we could verify; we use Megatron Bridge 0.3's own SFT/PEFT templates
+  (``recipes/common.py`` ``_sft_common`` / ``_peft_common``): full SFT lr 5e-6 -> 0, LoRA lr 1e-4 -> 0, 50
+  warm-up steps, cosine, Adam beta2 0.98, weight decay 0.1, 1000 iterations, seq 2048 packed, seed 5678.
+  Because the Muon update's RMS matches AdamW's (0.2*sqrt(max(A, B))), the AdamW learning rate transfers.
+* LoRA with Muon: Megatron Bridge's LoRA (dim 32, alpha 32, on linear_qkv, linear_proj, linear_fc1,
+  linear_fc2; A xavier, B zero). The base weights are frozen (``requires_grad=False``) and megatron-core's
+  Muon takes only trainable 2-D parameters, so only the adapters' A (dim x in) and B (out x dim) matrices
+  are orthogonalized, each as one matrix: Q/K/V and gate/up splitting do not apply to a low-rank factor
+  (``muon_split_qkv`` off, ``split_gate_up`` off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from bridge_ext.errors import UserError, closest
+from recipes import Recipe
+from recipes.layouts import LAYOUTS, Layout
+from recipes.models import MODELS
+from recipes.optimizers import KIMI_K2, MOONLIGHT, OptimizerPreset, adamw_twin, derive
+
+__all__ = ["FINETUNE_PRESETS", "FINETUNE_RECIPES", "FinetuneRecipe", "LORA_DEFAULTS", "Mode", "get_finetune_recipe"]
+
+Mode = Literal["sft", "lora"]
+
+# Megatron Bridge 0.3.1 recipes/common.py: _sft_common / _peft_common (and 0.3.0's per-model finetune configs).
+_MB_SOURCE = "Megatron Bridge 0.3 recipes/common.py _sft_common / _peft_common"
+FINETUNE_ITERS = 1000  # Megatron Bridge's SFT/PEFT template length
+SFT_SEQ_LENGTH = 2048  # Megatron Bridge's SFT sequence (packed)
+SFT_PACKS_PER_BATCH = 8  # Megatron Bridge's global batch for packed sequences
+
+# LoRA as Megatron Bridge's _peft_common sets it.
+LORA_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    "dim": 32, "alpha": 32, "dropout": 0.0, "dropout_position": "pre",
+    "lora_A_init_method": "xavier", "lora_B_init_method": "zero",
+})
+
+_SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 50, "lr_warmup_init": 0.0, "lr_decay_iters": None,
+             "lr_wsd_decay_iters": None, "start_weight_decay": 0.1, "end_weight_decay": 0.1,
+             "weight_decay_incr_style": "constant", "override_opt_param_scheduler": True}
+
+
+def _finetune_preset(base: OptimizerPreset, mode: Mode) -> OptimizerPreset:
+    lr = 5e-6 if mode == "sft" else 1e-4
+    what = "full SFT" if mode == "sft" else "LoRA"
+    preset = derive(
+        base, name=f"{base.name}_{mode}",
+        summary=f"{base.name}'s Muon for {what}: lr {lr:g} -> 0, 50 warm-up steps, cosine, Adam beta2 0.98",
+        source=f"Moonlight, arXiv 2502.16982 sec. 3.4 (Muon for SFT); schedule and lr from {_MB_SOURCE}",
+        optimizer={"lr": lr, "min_lr": 0.0, "adam_beta2": 0.98, "weight_decay": 0.1,
+                   **({"muon_split_qkv": False} if mode == "lora" else {})},
+        scheduler=_SCHEDULE,
+    )
+    # a short run: no WSD fractions; LoRA factors are orthogonalized whole
+    return replace(preset, schedule_fractions={}, split_gate_up=base.split_gate_up and mode == "sft")
+
+
+FINETUNE_PRESETS: dict[str, OptimizerPreset] = {}
+for _base in (MOONLIGHT, KIMI_K2):
+    for _mode in ("sft", "lora"):
+        _muon = _finetune_preset(_base, _mode)
+        _twin = adamw_twin(_muon)
+        FINETUNE_PRESETS[_muon.name] = _muon
+        FINETUNE_PRESETS[_twin.name] = replace(
+            _twin, summary=f"AdamW (betas 0.9/0.98) with {_muon.name}'s learning rate, schedule and weight decay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneRecipe(Recipe):
+    """A pre-training recipe's model and layouts, fine-tuned: full SFT or LoRA from a pretrained checkpoint."""
+
+    mode: Mode
+    base: str  # the pre-training recipe of the same model and optimizer (what a proxy's checkpoint comes from)
+    lora: Mapping[str, Any] = field(default_factory=dict)  # megatron.bridge.peft.lora.LoRA fields (LoRA only)
+
+    def train_iters(self, layout: Layout) -> int:
+        return self.overrides.get("train.train_iters", FINETUNE_ITERS)
+
+    def with_preset(self, name: str) -> FinetuneRecipe:
+        if name not in FINETUNE_PRESETS:
+            raise UserError(f"unknown fine-tuning preset '{name}'{closest(name, FINETUNE_PRESETS)}; "
+                            f"choose one of: {', '.join(FINETUNE_PRESETS)}")
+        return replace(self, preset=FINETUNE_PRESETS[name], preset_why=f"selected with preset={name}")
+
+
+def _finetune_layout(layout: Layout) -> Layout:
+    """Megatron Bridge's packed SFT batch (8 packs of 2048 tokens), at least one micro-batch per DP rank."""
+    step = layout.micro_batch_size * max(layout.dp, 1)
+    gbs = -(-SFT_PACKS_PER_BATCH // step) * step
+    return replace(layout, seq_length=SFT_SEQ_LENGTH, global_batch_size=gbs,
+                   why=f"{layout.why}; fine-tuning: Megatron Bridge's packed SFT batch ({SFT_PACKS_PER_BATCH} packs "
+                       f"of {SFT_SEQ_LENGTH} tokens, rounded up to one micro-batch per data-parallel rank)")
+
+
+# Proxies: 40 iterations on the shipped instruction set (docs/finetune.md), an eval every 10 on the held-out
+# split. Learning rates picked on qwen3_proxy with bench/finetune.py over {1e-3, 3e-3, 1e-2} (the pre-training
+# proxies' own rates sit in that range), one per optimizer and mode.
+_PROXY_COMMON = {"scheduler.lr_warmup_iters": 4, "train.train_iters": 40, "train.eval_interval": 10,
+                 "train.eval_iters": 4, "logger.log_interval": 5, "checkpoint.save_interval": 20}
+_PROXY_LR = {("sft", "muon"): 3e-3, ("sft", "adamw"): 1e-3, ("lora", "muon"): 1e-2, ("lora", "adamw"): 1e-2}
+_PROXY_WHY = ("a tiny model of the same architecture fine-tuned from a proxy pre-training checkpoint on the shipped "
+              "instruction set; only the run length and the learning rate (per optimizer) differ from the full recipe")
+
+_MUON_BASE = {"kimi_k2": KIMI_K2, "qwen3": MOONLIGHT, "qwen3_moe": MOONLIGHT}
+_WHY = {
+    "kimi_k2": "MuonClip as in pre-training: Kimi K2's MLA has no QK-norm, so QK-clip keeps bounding the logits",
+    "qwen3": "Moonlight's Muon as in pre-training (sec. 3.4: Muon-pretrained models fine-tune best with Muon)",
+}
+_WHY["qwen3_moe"] = _WHY["qwen3"]
+
+
+def _compose() -> dict[str, FinetuneRecipe]:
+    out = {}
+    for model_name, model in MODELS.items():
+        proxy = model.proxy_of is not None
+        layouts = LAYOUTS[model_name] if proxy else {k: _finetune_layout(v) for k, v in LAYOUTS[model_name].items()}
+        for mode in ("sft", "lora"):
+            muon = FINETUNE_PRESETS[f"{_MUON_BASE[model.family].name}_{mode}"]
+            for kind, preset, twin in (("muon", muon, "adamw"), ("adamw", FINETUNE_PRESETS[f"{muon.name}_adamw"],
+                                                                  "muon")):
+                name = f"{model_name}_{mode}_{kind}"
+                overrides = ({**_PROXY_COMMON, "optimizer.lr": _PROXY_LR[mode, kind],
+                              "optimizer.min_lr": _PROXY_LR[mode, kind] / 10} if proxy else {})
+                out[name] = FinetuneRecipe(
+                    name=name, model=model, preset=preset, layouts=layouts, twin=f"{model_name}_{mode}_{twin}",
+                    overrides=overrides, why=_PROXY_WHY if proxy else "", mode=mode,
+                    base=f"{model_name}_{kind}", lora=LORA_DEFAULTS if mode == "lora" else {},
+                    preset_why=_WHY[model.family] if kind == "muon" else f"the A/B twin of {model_name}_{mode}_muon",
+                )
+    return out
+
+
+FINETUNE_RECIPES: dict[str, FinetuneRecipe] = _compose()
+
+
+def get_finetune_recipe(name: str) -> FinetuneRecipe:
+    """The fine-tuning recipe called ``name``; a ``UserError`` naming the closest one otherwise."""
+    if name not in FINETUNE_RECIPES:
+        hint = " (a pre-training recipe: use `nemo llm pretrain`)" if not name.count("_sft_") + name.count("_lora_") \
+            else ""
+        raise UserError(f"unknown fine-tuning recipe '{name}'{closest(name, FINETUNE_RECIPES) or hint}; "
+                        "`nemo llm finetune --list` lists them")
+    return FINETUNE_RECIPES[name]
