@@ -238,6 +238,10 @@ def _split_part_selectors(args: argparse.Namespace) -> None:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     _split_part_selectors(args)
+    if args.executor:  # NeMo-Run: local torchrun or Slurm (bridge_ext.launch)
+        from bridge_ext.launch import launch
+
+        return launch(args, resolve=_resolve)
     if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
         raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
     recipe, layout, cfg, checked = _resolve(args)
@@ -330,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: proxy recipes train on the standard-library text corpus (`nemo llm prepare-data`), "
                         "other recipes on mock data unless dataset.blend is set")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=2e-4")
+    from bridge_ext.launch import add_launch_arguments
+
+    add_launch_arguments(p)
     p.set_defaults(func=cmd_pretrain)
 
     for name in _COMMAND_MODULES:

@@ -184,7 +184,8 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     planned = replace(recipe, layouts={chosen.cluster: chosen})
     manifest = muon_plan(planned, layout=chosen.cluster)
     # Routes as Muon would take them (for the Muon rows of an AdamW recipe too): 2-D, not embedding/output.
-    muon_twin = next((r for r in (recipe, RECIPES.get(recipe.twin)) if r and r.preset.kind == "muon"), None)
+    muon_twin = next((r for r in (recipe, RECIPES.get(recipe.name), RECIPES.get(recipe.twin))
+                      if r and r.preset.kind == "muon"), None)
     routes = manifest if muon_twin is None or recipe.preset.kind == "muon" else muon_plan(
         replace(muon_twin, layouts={chosen.cluster: chosen}), layout=chosen.cluster)
     ranks = rank_params(hf, routes.rows, chosen, spec=spec)
@@ -204,7 +205,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     source = "--tflops-per-gpu"
     if tflops_per_gpu is None:
         tflops_per_gpu, source = _default_tflops(recipe, chosen, kind)
-    notes = [f"memory: the pipeline rank with the largest total; GB here = GiB (2^30 bytes); fits = at most {HEADROOM:.0%} of "
+    notes = [f"memory: the pipeline rank with the largest total; GB = GiB (2^30 bytes); fits = at most {HEADROOM:.0%} of "
              "the GPU (the rest: CUDA context, NCCL/TE buffers, fragmentation); activations are an estimate",
              f"layer spec: {'Transformer Engine (GPUs)' if spec == 'te' else 'local (CPU)'}"]
     if chosen.precision.endswith("mxfp8_mixed"):
@@ -232,22 +233,27 @@ def format_plan(p: Plan) -> str:
     par = p.parallel
     shape = " ".join(f"{k.upper()}{v}" for k, v in par.items() if k != "gpus" and v is not None)
     worst = max(p.ranks, key=lambda r: r.total)
+    largest = max(m.total for m in p.memory.values())
+    unit, scale = ("GiB", GB) if largest >= GB else ("MiB", 2**20)
     lines = [f"plan {p.recipe} (preset {p.preset}; layout {p.layout}: {par['gpus']} GPUs, {shape}; "
              f"{p.micro_batches} micro-batches per step)", "",
              f"parameters   {_n(p.params_total)} total, {_n(p.params_active)} active; per GPU at most "
              f"{_n(worst.total)} (pipeline rank {worst.pp_rank}: {len(worst.layers)} layers, dense {_n(worst.dense)}, "
              f"experts {_n(worst.expert)}, Muon-routed {_n(worst.routed('muon'))})", "",
-             "memory per GPU, GB       weights   grads  fp32 main  opt state  activations    total  "
+             f"memory per GPU, {unit:<8} weights   grads  fp32 main  opt state  activations    total  "
              + "  ".join(f"{g} {c}" for g, c in GPUS.items())]
     for kind, label in _LABELS.items():
         m = p.memory[kind]
         mark = "*" if kind == p.selected else " "
         fits = "  ".join(f"{'ok' if v == 'fits' else 'tight' if v == 'tight' else 'NO':>{len(g) + len(str(c)) + 1}}"
                          for (g, c), v in zip(GPUS.items(), p.verdicts(kind).values()))
-        lines.append(f"{mark}{label:<37}"[:38] + f"{m.weights / GB:>8.1f}{m.grads / GB:>8.1f}{m.main_params / GB:>11.1f}"
-                     f"{m.optimizer_state / GB:>11.1f}{m.activations / GB:>13.1f}{m.total / GB:>9.1f}  {fits}")
-    lines.append(f"(* this recipe's optimizer; Muon saves {p.muon_saving_gb:.1f} GB per GPU against AdamW with the "
-                 "distributed optimizer)")
+        lines.append(f"{mark}{label:<37}"[:38] + f"{m.weights / scale:>8.1f}{m.grads / scale:>8.1f}"
+                     f"{m.main_params / scale:>11.1f}{m.optimizer_state / scale:>11.1f}{m.activations / scale:>13.1f}"
+                     f"{m.total / scale:>9.1f}  {fits}")
+    saving = p.muon_saving_gb * GB / scale
+    lines.append(f"(* this recipe's optimizer; against AdamW with the distributed optimizer, layer-wise Muon "
+                 f"{'saves' if saving >= 0 else 'needs'} {abs(saving):.1f} {unit} per GPU"
+                 f"{'' if saving >= 0 else ' more'})")
     total = p.memory[p.selected].total
     for gpu, v in p.verdicts().items():
         share = total / (GPUS[gpu] * GB)

@@ -1,0 +1,222 @@
+"""``nemo llm pretrain --recipe NAME --executor local|slurm``: launch through NeMo-Run.
+
+NeMo-Run's own executors and launcher do the work (``nemo_run.LocalExecutor`` / ``nemo_run.SlurmExecutor``
+with ``launcher="torchrun"``, in an ``Experiment``); nothing here writes an sbatch script or a torchrun line.
+What runs is what was validated: the config is resolved and checked for the layout's GPU count in this
+process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes into the job's ``configs/``
+(NeMo-Run's ``Executor.package_configs``; mounted at ``/nemo_run/configs`` in a Slurm container), and every
+rank starts ``python -m bridge_ext.cli llm pretrain --recipe NAME --layout L --preset P --yaml THAT_FILE``.
+
+- ``local``: torchrun with the layout's process count on this machine (1 node); on a machine without GPUs
+  the proxies' multi-process layouts (``cpu-dp2``, ``cpu-tp2``, ...) train on CPU with gloo.
+- ``slurm``: ``--nodes`` x ``--gpus-per-node`` must equal the layout's GPUs (default: 4 GPUs per node for GB300
+  layouts, the NVL72 compute tray; 8 otherwise), ``--account`` is required; container image (default the
+  NeMo 26.02 image), mounts, time, partition and the environment Megatron needs (:data:`MEGATRON_ENV`). The
+  code travels as NeMo-Run's ``GitArchivePackager`` makes it (``git archive`` of this checkout's HEAD,
+  unpacked at ``/nemo_run/code``, the container's working directory), or not at all with ``--packager none``
+  (an image or mount that has the package installed). ``--dryrun`` prints the sbatch script NeMo-Run
+  generates and submits nothing.
+
+Bad input (unknown executor, a node count that does not hold the layout, a missing account) is a
+``UserError`` before anything is built or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from bridge_ext.errors import UserError
+
+__all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "add_launch_arguments", "gpus_per_node", "launch"]
+
+Executor = Literal["local", "slurm"]
+EXECUTORS: tuple[Executor, ...] = ("local", "slurm")
+CONTAINER_IMAGE = "nvcr.io/nvidia/nemo:26.02"  # the stack this package is pinned to (docs/stacks.md)
+ROOT = Path(__file__).resolve().parent.parent
+
+# Environment for Megatron on GPUs (as NeMo's and Megatron Bridge's launch scripts set it):
+MEGATRON_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # TP/SP communication ordered before compute (megatron-core's overlap)
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",  # frees NCCL buffers without recordStream (lower peak memory)
+    "NCCL_NVLS_ENABLE": "0",  # NVLink SHARP off: its buffers cost memory, Megatron does not need it
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",  # never download at run time (configs ship with the package)
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--executor`` options of ``nemo llm pretrain``."""
+    g = parser.add_argument_group("launch through NeMo-Run (--executor)")
+    g.add_argument("--executor", choices=EXECUTORS, help="local: torchrun on this machine; slurm: sbatch via "
+                   "NeMo-Run's SlurmExecutor (--dryrun prints the script)")
+    g.add_argument("--nodes", type=int, help="slurm: nodes (default: the layout's GPUs / --gpus-per-node)")
+    g.add_argument("--gpus-per-node", type=int, help="slurm: GPUs per node (default 4 for GB300 layouts: an NVL72 "
+                   "compute tray; else 8)")
+    g.add_argument("--account", help="slurm: the account to charge (required)")
+    g.add_argument("--partition", help="slurm: partition")
+    g.add_argument("--time", default="04:00:00", help="slurm: time limit (a run saves and exits 0 on SIGTERM)")
+    g.add_argument("--container-image", default=CONTAINER_IMAGE, help=f"slurm: image (default {CONTAINER_IMAGE})")
+    g.add_argument("--container-mounts", default="", help="slurm: comma-separated SRC:DST mounts (data, checkpoints)")
+    g.add_argument("--job-dir", help="where NeMo-Run keeps the job (configs, logs, code): a path the nodes see; "
+                   "default nemo_experiments/nemo_run")
+    g.add_argument("--packager", choices=("git", "none"), default="git",
+                   help="slurm: ship this checkout's HEAD (git archive) or nothing (the image has the package)")
+    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment variable")
+    g.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
+                   help="slurm: extra #SBATCH option, e.g. segment=16")
+
+
+def gpus_per_node(cluster: str) -> int:
+    """GPUs in one Slurm node of the layout's cluster: GB200/GB300 NVL72 trays hold 4, HGX boards 8."""
+    return 4 if cluster.startswith(("gb200", "gb300")) else 8
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"{what} '{item}' is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _check(args: argparse.Namespace, gpus: int, cluster: str) -> tuple[int, int]:
+    """(nodes, processes per node) for the layout; ``UserError`` for what cannot run it."""
+    if args.to_yaml:
+        raise UserError("--executor launches a run; write the YAML with --to-yaml alone")
+    if args.executor == "local":
+        if (args.nodes or 1) != 1:
+            raise UserError(f"--executor local runs on this machine (1 node), got --nodes {args.nodes}; use slurm")
+        per_node = args.gpus_per_node or gpus
+        if per_node != gpus:
+            raise UserError(f"layout {cluster} needs {gpus} processes, --gpus-per-node says {per_node}")
+        return 1, gpus
+    if not args.account:
+        raise UserError("--executor slurm needs --account (the Slurm account to charge)")
+    per_node = args.gpus_per_node or min(gpus_per_node(cluster), gpus)
+    nodes = args.nodes or -(-gpus // per_node)
+    if nodes < 1 or per_node < 1 or nodes * per_node != gpus:
+        raise UserError(f"layout {cluster} needs {gpus} GPUs; --nodes {nodes} x --gpus-per-node {per_node} = "
+                        f"{nodes * per_node}: pick nodes x GPUs per node = {gpus}, or another layout")
+    return nodes, per_node
+
+
+def _task_args(args: argparse.Namespace, recipe: Any, layout: str, config: str) -> list[str]:
+    out = ["llm", "pretrain", "--recipe", recipe.name, "--layout", layout, "--preset", recipe.preset.name,
+           "--yaml", config]
+    if args.device != "auto":
+        out += ["--device", args.device]
+    if args.data != "auto":
+        out += ["--data", args.data]
+    return out
+
+
+def _executor(args: argparse.Namespace, nodes: int, per_node: int, job_dir: Path) -> Any:
+    import nemo_run as run
+
+    env = {**_pairs(args.env, "--env")}
+    if args.executor == "local":
+        # the checkout on the path even where the package is not installed; rank processes start in the job dir
+        env.setdefault("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+        return run.LocalExecutor(ntasks_per_node=per_node, launcher="torchrun", env_vars=env)
+    mounts = [m for m in args.container_mounts.split(",") if m]
+    for mount in mounts:
+        if ":" not in mount:
+            raise UserError(f"--container-mounts entry '{mount}' is not SRC:DST")
+    packager = run.GitArchivePackager(basepath=str(ROOT)) if args.packager == "git" else run.Packager()
+    executor = run.SlurmExecutor(
+        account=args.account, partition=args.partition, nodes=nodes, ntasks_per_node=per_node,
+        gpus_per_node=per_node, time=args.time, container_image=args.container_image, container_mounts=mounts,
+        env_vars={**MEGATRON_ENV, **env}, tunnel=run.LocalTunnel(job_dir=str(job_dir)), packager=packager,
+        additional_parameters=_pairs(args.sbatch, "--sbatch") or None)
+    executor.launcher = "torchrun"
+    return executor
+
+
+def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], tuple]) -> int:
+    """Resolve and validate the recipe (``resolve``: the CLI's), then run or (``--dryrun``) show it via NeMo-Run."""
+    from recipes import get_recipe
+
+    recipe = get_recipe(args.recipe)
+    chosen = (recipe.with_preset(args.preset) if args.preset else recipe).layout(args.layout)
+    nodes, per_node = _check(args, chosen.gpus, chosen.cluster)
+    _pairs(args.env, "--env"), _pairs(args.sbatch, "--sbatch")  # bad pairs fail before the slow part
+    job_dir = Path(args.job_dir or "nemo_experiments/nemo_run").resolve()
+    recipe, layout, cfg, _checked = resolve(args)
+    from bridge_ext.overrides import config_to_yaml
+
+    resolved = config_to_yaml(cfg)
+    from rich.console import Console
+
+    with Console(stderr=True).status("NeMo-Run: preparing the job ..."):
+        import nemo_run as run
+        from nemo_run.config import RUNDIR_NAME
+
+        executor = _executor(args, nodes, per_node, job_dir)
+    name = f"{recipe.name}.yaml"
+    # Slurm: NeMo-Run mounts the job directory at /nemo_run; local: the file itself.
+    config = f"/{RUNDIR_NAME}/configs/{name}" if args.executor == "slurm" else "{config}"
+    task = run.Script(path="bridge_ext.cli", m=True, entrypoint="python",
+                      args=_task_args(args, recipe, layout.cluster, config))
+    from nemo_run.config import get_nemorun_home, set_nemorun_home
+
+    home, temporary = get_nemorun_home(), None
+    if args.dryrun:  # NeMo-Run keeps experiment metadata in its home: a dry run leaves nothing behind
+        import tempfile
+
+        temporary = tempfile.mkdtemp(prefix="nemo_run_dryrun_")
+        set_nemorun_home(temporary)
+    elif args.executor == "local":  # the local run's logs and config next to the other runs
+        set_nemorun_home(str(job_dir))
+    state = None
+    try:
+        with run.Experiment(recipe.name, executor=executor, log_level="WARN") as exp:
+            exp.add(task, name=recipe.name, tail_logs=not args.dryrun)
+            job = exp.jobs[0]
+            written = job.executor.package_configs((name, resolved))[0]
+            if args.executor == "local":
+                job.task.args = [written if a == "{config}" else a for a in job.task.args]
+            if args.dryrun:
+                exp.dryrun(log=False, exist_ok=True)
+                return _print_dryrun(job, args.executor)
+            exp.run(sequential=True, detach=False, tail_logs=True)
+            state = exp.status(return_dict=True)
+    finally:
+        set_nemorun_home(home)
+        if temporary:
+            import shutil
+
+            shutil.rmtree(temporary, ignore_errors=True)
+    return _exit_code(state)
+
+
+def _print_dryrun(job: Any, executor: str) -> int:
+    """The sbatch script NeMo-Run generated (Slurm), or the command and config (local)."""
+    if executor == "slurm":
+        request = job._dryrun_info.request
+        print(request.materialize(), end="")
+        return 0
+    import shlex
+
+    task = job.task
+    print(f"# NeMo-Run LocalExecutor, torchrun --nproc-per-node {job.executor.nproc_per_node()}")
+    print(shlex.join(["torchrun", "--nproc-per-node", str(job.executor.nproc_per_node()), "-m", task.path,
+                      *task.args]))
+    return 0
+
+
+def _exit_code(state: Any) -> int:
+    if not state:
+        return 0
+    for info in state.values():
+        status = str(info.get("status", "")).upper() if isinstance(info, dict) else ""
+        if status and "SUCCEEDED" not in status:
+            print(f"error: the NeMo-Run job ended {status}", file=sys.stderr)
+            return 1
+    return 0
