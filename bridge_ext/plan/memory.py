@@ -12,7 +12,7 @@ updates:
   experts (``distrib_optimizer.py``: contiguous buffer ranges);
 - ``dist_muon``: whole tensors dealt to the DP ranks by ``LayerWiseDistributedOptimizer.shard_params``
   (``layer_wise_optimizer.py``: sorted by size, ping-pong order, experts over the expert-DP group),
-  simulated here tensor by tensor, and the most loaded DP rank reported;
+  simulated here tensor by tensor; reported: the largest dense share plus the largest expert share;
 - ``muon`` and ``adam`` without the distributed optimizer: every parameter.
 
 Activations: an estimate, per tensor megatron-core keeps for the backward pass (bf16, sequence parallel
@@ -70,19 +70,16 @@ def verdict(total_bytes: float, gpu: str) -> Literal["fits", "tight", "does not 
     return "fits" if total_bytes <= HEADROOM * capacity else "tight" if total_bytes <= capacity else "does not fit"
 
 
-def _layer_wise_share(tensors: list[Tensor], dp: int, expert_dp: int) -> list[list[Tensor]]:
-    """``LayerWiseDistributedOptimizer.shard_params``: tensors per DP rank (experts over the expert-DP group).
+def _layer_wise_share(tensors: list[Tensor], size: int) -> list[list[Tensor]]:
+    """``LayerWiseDistributedOptimizer.shard_params``: the tensors each of ``size`` ranks updates.
 
-    Sorted by size (stable, Muon's group before Adam's as ``get_megatron_muon_optimizer`` chains them),
-    dealt in ping-pong order 0, 1, ..., n-1, n-1, ..., 0. Returns per rank the union of its dense and
-    expert share (rank r of the DP group and rank r of the expert-DP group are counted together, the
-    worst case when both are largest on the same rank)."""
+    Sorted by size (stable, Muon's group before Adam's as ``get_megatron_muon_optimizer`` chains them) and
+    dealt in ping-pong order 0, 1, ..., n-1, n-1, ..., 0."""
     ordered = sorted(sorted(tensors, key=lambda t: t.route != "muon"), key=lambda t: t.numel)
-    out: list[list[Tensor]] = [[] for _ in range(max(dp, expert_dp))]
-    for expert, size in ((False, dp), (True, expert_dp)):
-        loop = list(range(size)) + list(range(size))[::-1]
-        for i, tensor in enumerate(t for t in ordered if t.expert == expert):
-            out[loop[i % len(loop)]].append(tensor)
+    loop = list(range(size)) + list(range(size))[::-1]
+    out: list[list[Tensor]] = [[] for _ in range(size)]
+    for i, tensor in enumerate(ordered):
+        out[loop[i % len(loop)]].append(tensor)
     return out
 
 
@@ -102,9 +99,11 @@ def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, m
         main = (sum(t.numel for t in tensors if not t.expert) / dp_cp
                 + sum(t.numel for t in tensors if t.expert) / expert_dp) * main_b
     elif optimizer == "dist_muon" and max(dp_cp, expert_dp) > 1:
-        shares = _layer_wise_share(tensors, dp_cp, expert_dp)
-        worst = max(shares, key=state)
-        owned, main = state(worst), sum(t.numel for t in worst) * main_b
+        # dense tensors over the DP group, experts over the expert-DP group: a GPU has a share of each, and the
+        # largest of both on one GPU is the worst case (exact when either group has one rank)
+        worst = [max(_layer_wise_share([t for t in tensors if t.expert == expert], size), key=state)
+                 for expert, size in ((False, dp_cp), (True, expert_dp))]
+        owned, main = sum(map(state, worst)), sum(t.numel for share in worst for t in share) * main_b
     else:
         owned, main = state(tensors), rank.total * main_b
     return {"weights": rank.total * weight_b, "grads": rank.total * grad_b, "main_params": main,
