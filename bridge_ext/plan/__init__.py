@@ -18,7 +18,7 @@ from bridge_ext.errors import UserError, closest
 from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
 from bridge_ext.plan.ranks import RankParams, Spec, rank_params
 
-__all__ = ["BLOG", "OVERRIDABLE", "Plan", "format_plan", "plan", "register"]
+__all__ = ["BLOG", "OVERRIDABLE", "Plan", "format_plan", "plan", "plan_summary", "register"]
 
 # NVIDIA Technical Blog, "Advancing Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron"
 # (2026-04-22), Table 1, GB300 NVL72, MXFP8, Megatron Bridge 26.02, TFLOP/s per GPU. Muon's figure counts
@@ -271,6 +271,30 @@ def format_plan(p: Plan) -> str:
         lines.append(f"GPU-hours    {p.tflops_source}")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def plan_summary(p: Plan) -> str:
+    """The plan in one paragraph (the recipe cards in docs/recipes.md)."""
+    m = p.memory[p.selected]
+    largest = max(x.total for x in p.memory.values())
+    unit, scale = ("GiB", GB) if largest >= GB else ("MiB", 2**20)
+    other = "adam_distributed" if p.selected in ("dist_muon", "muon") else "dist_muon"
+    verdicts = p.verdicts()
+    fits = [g for g, v in verdicts.items() if v == "fits"]
+    tight = [g for g, v in verdicts.items() if v == "tight"]
+    no = [g for g, v in verdicts.items() if v == "does not fit"]
+    fit_text = "; ".join(text for text in (f"fits {', '.join(fits)}" if fits else "",
+                                           f"tight on {', '.join(tight)}" if tight else "",
+                                           f"does not fit {', '.join(no)}" if no else "") if text)
+    hours = (f"; {p.gpu_hours:,.0f} GPU-hours at {p.tflops_per_gpu:,.0f} TFLOP/s/GPU" if p.gpu_hours is not None
+             else "")
+    return (f"{m.total / scale:,.1f} {unit} per GPU with {_LABELS[p.selected]} (weights {m.weights / scale:,.1f}, "
+            f"grads {m.grads / scale:,.1f}, fp32 main {m.main_params / scale:,.1f}, optimizer state "
+            f"{m.optimizer_state / scale:,.1f}, activations ~{m.activations / scale:,.1f}); {fit_text}; "
+            f"{_LABELS[other]}: {p.memory[other].total / scale:,.1f} {unit}; "
+            f"{p.model_flops_per_step:.3g} model FLOP/step, Newton-Schulz {p.ns_flops_per_step:.3g} "
+            f"({p.ns_flops_per_step / p.model_flops_per_step:.2%}); {p.tokens_per_step:,} tokens/step x "
+            f"{p.train_iters:,} steps = {_n(p.total_tokens)} tokens{hours}")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
