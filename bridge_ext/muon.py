@@ -567,7 +567,8 @@ def _muon_optimizers(optimizer: Any) -> Iterable[Any]:
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     for opt in chained:
         inner = getattr(opt, "optimizer", opt)
-        yield inner
+        if inner is not None:  # megatron-core leaves the Adam part None when every trainable param is a matrix (LoRA)
+            yield inner
 
 
 @dataclass

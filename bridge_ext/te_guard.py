@@ -101,3 +101,25 @@ def install_te_import_guard() -> bool:
 def guarded_modules() -> tuple[str, ...]:
     """The modules imported so far whose unguarded TE import the guard replaced."""
     return tuple(_guarded)
+
+
+__all__ += ["peft_without_te"]
+
+
+def peft_without_te() -> bool:
+    """Megatron Bridge's LoRA without TE: ``megatron/bridge/peft/utils.py`` sets ``HAVE_TE`` from
+    ``safe_import_from(megatron.core.extensions.transformer_engine, ...)``, which succeeds without TE because
+    megatron-core binds placeholders (mocks, not classes) there; ``get_adapter_attributes_from_linear`` then
+    calls ``isinstance(m, <placeholder>)`` -> TypeError. Turns that flag off when the names are not classes.
+    Returns True when it did."""
+    if have_transformer_engine():
+        return False
+    install_te_import_guard()
+    import importlib
+
+    utils = importlib.import_module("megatron.bridge.peft.utils")
+    names = [getattr(utils, n, None) for n in ("TEColumnParallelLinear", "TERowParallelLinear")]
+    if getattr(utils, "HAVE_TE", False) and not all(isinstance(n, type) for n in names):
+        utils.HAVE_TE = False
+        return True
+    return False

@@ -114,7 +114,7 @@ def _finetune_layout(layout: Layout) -> Layout:
 # split. Learning rates picked on qwen3_proxy with bench/finetune.py over {1e-3, 3e-3, 1e-2} (the pre-training
 # proxies' own rates sit in that range), one per optimizer and mode.
 _PROXY_COMMON = {"scheduler.lr_warmup_iters": 4, "train.train_iters": 40, "train.eval_interval": 10,
-                 "train.eval_iters": 4, "logger.log_interval": 5, "checkpoint.save_interval": 20}
+                 "train.eval_iters": 8, "logger.log_interval": 5, "checkpoint.save_interval": 20}
 _PROXY_LR = {("sft", "muon"): 3e-3, ("sft", "adamw"): 1e-3, ("lora", "muon"): 1e-2, ("lora", "adamw"): 1e-2}
 _PROXY_WHY = ("a tiny model of the same architecture fine-tuned from a proxy pre-training checkpoint on the shipped "
               "instruction set; only the run length and the learning rate (per optimizer) differ from the full recipe")

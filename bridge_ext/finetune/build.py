@@ -59,6 +59,10 @@ def build_finetune_config(recipe: FinetuneRecipe, *, layout: str | None = None) 
     if recipe.mode == "lora":
         from megatron.bridge.peft.lora import LoRA
 
+        from bridge_ext.te_guard import peft_without_te
+
+        peft_without_te()  # LoRA on machines without Transformer Engine (CPU)
+
         cfg.peft = LoRA(**{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recipe.lora.items()})
     else:
         cfg.peft = None

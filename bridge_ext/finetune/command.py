@@ -248,6 +248,14 @@ def run_finetune(recipe: Any, cfg: Any, *, data: Path, device: str = "auto", cal
     # takes no callbacks, so the same check is made here and pretrain() runs with them (bridge_ext.training).
     if cfg.checkpoint.pretrained_checkpoint is None and cfg.checkpoint.load is None:
         raise UserError("fine-tuning needs checkpoint.pretrained_checkpoint or checkpoint.load")
+    if recipe.mode == "lora" and recipe.preset.kind == "muon":
+        from bridge_ext.finetune.lora import muon_without_adam_part
+
+        muon_without_adam_part()
+    if recipe.mode == "lora" and prepared.use_cpu and cfg.checkpoint.save:
+        from bridge_ext.finetune.lora import MERGED_DIR, merged_lora_saver
+
+        recorders.append(merged_lora_saver(Path(cfg.checkpoint.save) / MERGED_DIR, tokenizer_dir=tokenizer))
     training.run_pretrain(cfg, prepared, callbacks=[*recorders, *callbacks])
     if prepared.use_cpu:
         evals = read_eval(run_dir / "eval.jsonl")
@@ -255,6 +263,8 @@ def run_finetune(recipe: Any, cfg: Any, *, data: Path, device: str = "auto", cal
             first, last = next(iter(evals.items())), list(evals.items())[-1]
             say(f"eval loss (held-out): {first[1]:.4f} at iteration {first[0]} -> {last[1]:.4f} at {last[0]}")
         say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
+        if recipe.mode == "lora" and cfg.checkpoint.save:
+            say(f"merged LoRA:     {Path(cfg.checkpoint.save) / 'merged'} (`nemo llm export --ckpt` it)")
     return run_dir
 
 

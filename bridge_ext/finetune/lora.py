@@ -1,0 +1,97 @@
+"""LoRA adapters merged into the base weights, saved as a plain Megatron checkpoint for ``nemo llm export``.
+
+Megatron Bridge's PEFT checkpoints hold the adapters (the base stays in ``pretrained_checkpoint``). At the end
+of a LoRA run on one process the merged model, ``W + alpha/dim * B @ A`` (Megatron Bridge's ``LoRAMerge.merge``)
+for every ``LoRALinear``, is copied into a fresh model of the same provider (no adapters) and saved with
+Megatron Bridge's ``save_megatron_model`` to ``<checkpoint.save>/merged``; ``nemo llm export --ckpt
+<checkpoint.save>/merged --out DIR`` converts it like any other checkpoint. The training model is not
+modified (the final validation still runs on base + adapters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MERGED_DIR", "merged_lora_saver", "merged_state_dict"]
+
+MERGED_DIR = "merged"
+
+
+def merged_state_dict(chunk: Any) -> dict[str, Any]:
+    """The chunk's weights with every LoRA adapter merged, under the names of the same model without adapters."""
+    import torch
+    from megatron.bridge.peft.lora import LoRAMerge
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    merge = LoRAMerge()
+    merged = {}
+    with torch.no_grad():
+        for name, module in chunk.named_modules():
+            if isinstance(module, LoRALinear) and hasattr(module.to_wrap, "weight"):
+                adapter = module.adapter
+                merged[f"{name}.to_wrap.weight"] = merge.merge(
+                    module.to_wrap.weight, adapter.linear_out.weight, adapter.linear_in.weight, adapter.alpha,
+                    adapter.dim).detach().clone()
+        state = {}
+        for key, value in chunk.state_dict().items():
+            if ".adapter." in key:
+                continue
+            value = merged.get(key, value)
+            state[key.replace(".to_wrap.", ".")] = value
+    return state
+
+
+def merged_lora_saver(out: Path, *, tokenizer_dir: Path | None):
+    """A callback writing the merged model to ``out`` when training ends (one process: TP = PP = EP = 1)."""
+    from megatron.bridge.training.callbacks import Callback
+
+    class MergedLoRASave(Callback):
+        def on_train_end(self, context):
+            from megatron.bridge.training.model_load_save import save_megatron_model
+            from megatron.core.utils import unwrap_model
+
+            (chunk,) = unwrap_model(context.model)
+            state = merged_state_dict(chunk)
+            plain = context.state.cfg.model.provide(pre_process=True, post_process=True)
+            missing, unexpected = plain.load_state_dict(state, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"merged LoRA weights do not fit the base model: missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]}")
+            save_megatron_model([plain], str(out), hf_tokenizer_path=str(tokenizer_dir) if tokenizer_dir else None)
+
+    return MergedLoRASave()
+
+
+__all__ += ["muon_without_adam_part"]
+
+
+def muon_without_adam_part() -> None:
+    """Muon over LoRA adapters: drop the empty Adam part megatron-core chains in.
+
+    ``megatron/core/optimizer/muon.py`` ``get_megatron_muon_optimizer`` (0.16) always chains the Adam optimizer
+    of the non-matrix parameters; when every trainable parameter is a matrix (LoRA: only the adapters' A and B
+    train) that part wraps ``None`` and the first checkpoint save fails in its ``state_dict``. Wraps Megatron
+    Bridge's reference to the function (``training/optim.py``) so that the returned optimizer chains only the
+    parts that hold parameters; process-wide, idempotent, a no-op when no part is empty.
+    """
+    from megatron.bridge.training import optim
+
+    if getattr(optim.get_megatron_muon_optimizer, "_bridge_ext_no_empty_part", False):
+        return
+    build = optim.get_megatron_muon_optimizer
+
+    def get_megatron_muon_optimizer(*args: Any, **kwargs: Any) -> Any:
+        optimizer = build(*args, **kwargs)
+        parts = getattr(optimizer, "chained_optimizers", None)
+        if parts and any(getattr(p, "optimizer", p) is None for p in parts):
+            optimizer.chained_optimizers = [p for p in parts if getattr(p, "optimizer", p) is not None]
+        return optimizer
+
+    get_megatron_muon_optimizer._bridge_ext_no_empty_part = True  # type: ignore[attr-defined]
+    for name in ("_bridge_ext_gate_up",):  # keep the markers of wrappers installed before this one
+        if getattr(build, name, False):
+            setattr(get_megatron_muon_optimizer, name, True)
+    optim.get_megatron_muon_optimizer = get_megatron_muon_optimizer
