@@ -11,7 +11,8 @@ name derived from the corpus bytes and the tokenizer, so it is built once per ma
 and rebuilt only when either changes. It is written to a temporary directory and renamed into place.
 
 Public API: :data:`PROXY_TOKENIZER_DIR`, :func:`prepare_text_corpus`, :func:`use_text_corpus`,
-:func:`register` (``nemo llm prepare-data``). Heavy modules (numpy, tokenizers, Megatron) load lazily.
+:func:`register` (``nemo llm prepare-data``; with ``--input``, a user corpus: ``bridge_ext.corpus``).
+Heavy modules (numpy, tokenizers, Megatron) load lazily.
 """
 
 from __future__ import annotations
@@ -351,6 +352,13 @@ def corpus_sha256(files: list[CorpusFile]) -> str:
 
 # --------------------------------------------------------------------------------------------------- CLI
 def cmd_prepare_data(args: argparse.Namespace) -> int:
+    if args.input:  # a user corpus with the model's tokenizer (bridge_ext.corpus)
+        from bridge_ext.corpus import run_command
+
+        return run_command(args)
+    stray = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "out", "weights") if getattr(args, name)]
+    if stray:
+        raise UserError(f"{stray[0]} needs --input (without --input, prepare-data builds the standard-library corpus)")
     start = time.perf_counter()
     prefix_path, built = _prepare(force=args.force, quiet=args.quiet)
     info = corpus_info(prefix_path)
@@ -365,13 +373,17 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``nemo llm prepare-data`` to the ``nemo llm`` sub-command parser."""
+    from bridge_ext.corpus import register_arguments
+
     p = subparsers.add_parser(
-        "prepare-data", help="tokenize the offline text corpus the proxy recipes train on (cached)",
-        description="Tokenize the Python standard library's sources with the shipped tokenizer into a "
-                    f"Megatron indexed dataset under ${_ENV_CACHE} (default ~/.cache/muon-recipes); "
-                    "built once, reused after.",
+        "prepare-data", help="tokenize a corpus into Megatron indexed datasets (default: the proxies' offline corpus)",
+        description="With --input: tokenize your corpus (JSONL, Parquet, text) with the model's tokenizer into "
+                    "Megatron indexed datasets and a YAML for `nemo llm pretrain --yaml` (docs/data.md). Without: "
+                    "tokenize the Python standard library's sources with the shipped tokenizer into a Megatron "
+                    f"indexed dataset under ${_ENV_CACHE} (default ~/.cache/muon-recipes); built once, reused after.",
     )
-    p.add_argument("--force", action="store_true", help="rebuild even when a cached dataset exists")
+    register_arguments(p)
+    p.add_argument("--force", action="store_true", help="standard-library corpus: rebuild even when cached")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prepare_data)
 
