@@ -149,6 +149,12 @@ def _summary(recipe, layout: str, cfg, gpus: int) -> str:
         if getattr(m, name, None):
             lines.append(f"benchmark   {name}={getattr(m, name)}: throughput only, do not keep the weights "
                          f"(megatron-core: \"{doc}\")")
+    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":  # a model's tokenizer directory: fits the model?
+        from bridge_ext.corpus import check_real_data
+
+        described = check_real_data(cfg)
+        if described:
+            lines.append(f"tokenizer   {described}")
     if cfg.dataset.blend:
         lines.append(f"data        dataset.blend={cfg.dataset.blend}")
     elif recipe.model.proxy_of:

@@ -59,6 +59,12 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         from bridge_ext.data import use_text_corpus
 
         description = use_text_corpus(cfg, quiet=quiet)
+    if getattr(cfg.tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer" and hasattr(cfg.dataset, "blend"):
+        from bridge_ext.corpus import check_real_data
+        from bridge_ext.tokenizers import use_megatron_tokenizer
+
+        check_real_data(cfg)  # the tokenizer fits the model; the blend exists and was made with this tokenizer
+        use_megatron_tokenizer(cfg, quiet=quiet)  # a Kimi K2 (tiktoken) directory: converted once, no remote code
     apply_stack_fixes()  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
     if use_cpu:
         from bridge_ext import cpu_mode
