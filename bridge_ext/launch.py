@@ -76,6 +76,18 @@ def gpus_per_node(cluster: str) -> int:
     return 4 if cluster.startswith(("gb200", "gb300")) else 8
 
 
+def _local_gpus() -> int:
+    """GPUs on this machine (``nvidia-smi -L``; ``CUDA_VISIBLE_DEVICES`` narrows them), without importing torch."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(listed, len([d for d in visible.split(",") if d.strip()])) if visible is not None else listed
+
+
 def _pairs(items: list[str], what: str) -> dict[str, str]:
     out = {}
     for item in items:
@@ -96,6 +108,10 @@ def _check(args: argparse.Namespace, gpus: int, cluster: str) -> tuple[int, int]
         per_node = args.gpus_per_node or gpus
         if per_node != gpus:
             raise UserError(f"layout {cluster} needs {gpus} processes, --gpus-per-node says {per_node}")
+        here = _local_gpus()
+        if not cluster.startswith("cpu") and args.device != "cpu" and here < gpus:
+            raise UserError(f"layout {cluster} needs {gpus} processes with a GPU each; this machine has {here} GPUs "
+                            "(use --executor slurm, a cpu-* layout, or --device cpu)")
         return 1, gpus
     if not args.account:
         raise UserError("--executor slurm needs --account (the Slurm account to charge)")
@@ -124,6 +140,8 @@ def _executor(args: argparse.Namespace, nodes: int, per_node: int, job_dir: Path
     if args.executor == "local":
         # the checkout on the path even where the package is not installed; rank processes start in the job dir
         env.setdefault("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+        # torchrun and python of this interpreter's environment, activated or not
+        env.setdefault("PATH", os.pathsep.join(filter(None, (str(Path(sys.executable).parent), os.environ.get("PATH")))))
         return run.LocalExecutor(ntasks_per_node=per_node, launcher="torchrun", env_vars=env)
     mounts = [m for m in args.container_mounts.split(",") if m]
     for mount in mounts:
@@ -174,9 +192,13 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
         set_nemorun_home(temporary)
     elif args.executor == "local":  # the local run's logs and config next to the other runs
         set_nemorun_home(str(job_dir))
-    state = None
+    state, script = None, None
+    import contextlib
+
+    # NeMo-Run's console reports on stdout; a dry run's stdout is the script alone
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.dryrun else contextlib.nullcontext()
     try:
-        with run.Experiment(recipe.name, executor=executor, log_level="WARN") as exp:
+        with quiet, run.Experiment(recipe.name, executor=executor, log_level="WARN") as exp:
             exp.add(task, name=recipe.name, tail_logs=not args.dryrun)
             job = exp.jobs[0]
             written = job.executor.package_configs((name, resolved))[0]
@@ -184,31 +206,33 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
                 job.task.args = [written if a == "{config}" else a for a in job.task.args]
             if args.dryrun:
                 exp.dryrun(log=False, exist_ok=True)
-                return _print_dryrun(job, args.executor)
-            exp.run(sequential=True, detach=False, tail_logs=True)
-            state = exp.status(return_dict=True)
+                script = _dryrun_text(job, args.executor)
+            else:
+                exp.run(sequential=True, detach=False, tail_logs=True)
+                state = exp.status(return_dict=True)
     finally:
         set_nemorun_home(home)
         if temporary:
             import shutil
 
             shutil.rmtree(temporary, ignore_errors=True)
+    if script is not None:
+        print(script, end="")
+        return 0
     return _exit_code(state)
 
 
-def _print_dryrun(job: Any, executor: str) -> int:
-    """The sbatch script NeMo-Run generated (Slurm), or the command and config (local)."""
+def _dryrun_text(job: Any, executor: str) -> str:
+    """The sbatch script NeMo-Run generated (Slurm), or the torchrun command it would run (local)."""
     if executor == "slurm":
-        request = job._dryrun_info.request
-        print(request.materialize(), end="")
-        return 0
+        return job._dryrun_info.request.materialize()
     import shlex
 
-    task = job.task
-    print(f"# NeMo-Run LocalExecutor, torchrun --nproc-per-node {job.executor.nproc_per_node()}")
-    print(shlex.join(["torchrun", "--nproc-per-node", str(job.executor.nproc_per_node()), "-m", task.path,
-                      *task.args]))
-    return 0
+    lines = ["# NeMo-Run LocalExecutor (torchrun launcher): the processes torchx would start"]
+    for replicas in job._dryrun_info.request.role_params.values():
+        for replica in replicas:
+            lines.append(f"cd {shlex.quote(replica.cwd or '.')} && {shlex.join(replica.args)}")
+    return "\n".join(lines) + "\n"
 
 
 def _exit_code(state: Any) -> int:

@@ -91,7 +91,7 @@ def test_parameters_per_rank_equal_what_megatron_builds(tmp_path):
     parameter tensors (sizes, as a multiset) equal the plan's for that pipeline rank (local layer spec)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "0",
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "tests" / "plan_rank_driver.py"), str(tmp_path), *DRIVER_CASES],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

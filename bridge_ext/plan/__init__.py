@@ -162,8 +162,10 @@ def _default_tflops(recipe, layout, kind: str) -> tuple[float | None, str]:
 
 
 def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, overrides: list[str] = (),
-         tflops_per_gpu: float | None = None, spec: Spec = "te") -> Plan:
-    """The plan of ``recipe`` (a name or ``recipes.Recipe``) on a layout, with ``key=value`` overrides."""
+         tflops_per_gpu: float | None = None, spec: Spec | None = None) -> Plan:
+    """The plan of ``recipe`` (a name or ``recipes.Recipe``) on a layout, with ``key=value`` overrides.
+
+    ``spec``: the layer spec the ranks build: ``te`` (GPUs) or ``local`` (CPU); default by the layout's name."""
     from bridge_ext.muon import muon_plan
     from bridge_ext.plan.flops import model_flops_per_step
     from recipes import RECIPES, get_recipe
@@ -181,6 +183,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
         problems.append(f"{experts} experts do not split over ep={chosen.ep}")
     if problems:
         raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
+    spec = spec or ("local" if chosen.cluster.startswith("cpu") else "te")
     planned = replace(recipe, layouts={chosen.cluster: chosen})
     manifest = muon_plan(planned, layout=chosen.cluster)
     # Routes as Muon would take them (for the Muon rows of an AdamW recipe too): 2-D, not embedding/output.
@@ -325,8 +328,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--preset", help="another optimizer preset; or preset=NAME")
     p.add_argument("--tflops-per-gpu", type=float, help="throughput for GPU-hours (default: NVIDIA's measured "
                    "figure where one exists: Kimi K2 1,080 / Qwen3-30B-A3B 721 on GB300 with Muon)")
-    p.add_argument("--spec", choices=("te", "local"), default="te",
-                   help="layer spec: te (GPUs, default) or local (CPU runs)")
+    p.add_argument("--spec", choices=("te", "local"),
+                   help="layer spec: te (GPUs) or local (CPU runs); default: local for cpu* layouts, else te")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help=f"layout=, preset=, or one of: {', '.join((*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER))}")
