@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -332,46 +333,74 @@ def _document_ranges(prefix: str) -> dict[str, set[int]]:
 
     out = {}
     for path in (Path(prefix) / "cache").rglob("*-GPTDataset-*-document_index.npy"):
-        out[path.name.split("-")[-3]] = set(np.load(path).tolist())
+        out[path.name.split("-")[-2]] = set(np.load(path).tolist())
     return out
 
 
-def _pretrain(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
-    run = tmp_path / name
-    result = subprocess.run([NEMO, "llm", "pretrain", *args, "--device", "cpu", f"checkpoint.save={run}",
+def _pretrain(tmp_path: Path, argv: list[str], *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    run = tmp_path / "run"
+    result = subprocess.run([NEMO, "llm", *argv, "--device", "cpu", *overrides, f"checkpoint.save={run}",
                              f"checkpoint.load={run}", f"logger.tensorboard_dir={run}/tb"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, run
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
+
+
+def doc_commands(section: str) -> list[list[str]]:
+    """The commands of a ``docs/data.md`` section as argv lists (``\\`` continuations joined)."""
+    text = DOCS.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    commands, current = [], ""
+    for line in text.splitlines():
+        if line.startswith("    ") and (current or line.strip().startswith(("nemo llm", "torchrun"))):
+            current += " " + line.strip().rstrip("\\")
+            if not line.rstrip().endswith("\\"):
+                commands.append(shlex.split(current))
+                current = ""
+    return commands
+
+
+def _as_cpu_run(launch: list[str], proxy: str) -> list[str]:
+    """The docs' GPU launch line as the CPU run of the family's proxy: ``llm pretrain`` on, recipe swapped,
+    the GPU layout dropped."""
+    argv = launch[launch.index("llm") + 1:]
+    argv[argv.index("--recipe") + 1] = proxy
+    if "--layout" in argv:
+        del argv[argv.index("--layout"):argv.index("--layout") + 2]
+    return argv
+
+
 @pytest.mark.slow
-def test_qwen_blend_trains_and_megatron_honours_the_split(dirs, tmp_path, capsys, monkeypatch):
-    """docs/data.md, Qwen3: two JSONL sets with weights -> blend YAML -> dry run of a full recipe -> training."""
+def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_path, capsys, monkeypatch):
+    """docs/data.md, Qwen3, command by command: two JSONL sets with weights -> blend YAML -> the dry run of
+    qwen3_8b_muon (and its refusal of a tokenizer that does not fit) -> training (qwen3_proxy_muon on CPU)."""
+    prepare, dryrun, launch = doc_commands("Qwen3")
+    assert prepare[:3] == ["nemo", "llm", "prepare-data"] and dryrun[-1] == "--dryrun" and launch[0] == "torchrun"
     monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / "cache"))
-    write_jsonl(tmp_path / "web.jsonl", stdlib_documents(40, 0))
-    write_jsonl(tmp_path / "code.jsonl.gz", stdlib_documents(20, 40), opener=gzip.open)
-    blend = tmp_path / "data" / "blend"
-    assert nemo_llm(["prepare-data", "--input", str(tmp_path / "web.jsonl"), "--input", str(tmp_path / "code.jsonl.gz"),
-                     "--weights", "0.7", "0.3", "--split", "80,10,10", "--tokenizer", str(dirs["qwen"]),
-                     "--out", str(blend), "--append-eod", "--quiet"]) == 0
-    yaml_path = Path(f"{blend}.yaml")
-    assert f"--yaml {yaml_path}" in capsys.readouterr().out
-    # the dry run of a full recipe checks the tokenizer against the model's vocabulary ...
-    assert nemo_llm(["pretrain", "--recipe", "qwen3_8b_muon", "--yaml", str(yaml_path), "--dryrun"]) == 0
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus" / "web").mkdir(parents=True)
+    write_jsonl(tmp_path / "corpus" / "web" / "a.jsonl", stdlib_documents(25, 0))
+    write_jsonl(tmp_path / "corpus" / "web" / "b.jsonl", stdlib_documents(15, 25))
+    write_jsonl(tmp_path / "corpus" / "code.jsonl.gz", stdlib_documents(20, 40), opener=gzip.open)
+    models = {"/models/Qwen3-8B": str(dirs["qwen"])}
+    assert nemo_llm([models.get(a, a) for a in prepare[2:]] + ["--quiet"]) == 0
+    blend, yaml_path = tmp_path / "data" / "qwen3", tmp_path / "data" / "qwen3.yaml"
+    out = capsys.readouterr().out
+    assert f"--yaml {yaml_path}" in out and "split     80,10,10: 32 / 4 / 4 documents" in out
+    # the dry run of the full recipe checks the tokenizer against the model's vocabulary ...
+    assert nemo_llm(dryrun[2:]) == 0
     out = capsys.readouterr().out
     assert f"tokenizer   Qwen2TokenizerFast (4,096 tokens) from {dirs['qwen']}, end of document id 0; fits " \
            "model.vocab_size 151,936" in out
     assert f"dataset.blend=[['{blend}-0', '{blend}-1'], [0.7, 0.3]]" in out
     # ... and refuses one whose ids do not fit the embedding
-    assert nemo_llm(["pretrain", "--recipe", "qwen3_8b_muon", "--yaml", str(yaml_path), "model.vocab_size=4000",
-                     "--dryrun"]) == 2
-    err = capsys.readouterr().err
-    assert err == (f"error: the tokenizer in {dirs['qwen']} has 4,096 tokens but model.vocab_size is 4,000: its ids "
-                   "would not fit the embedding; use the model's own tokenizer (or a model with a larger "
-                   "vocabulary)\n")
-    result, run = _pretrain(tmp_path, "run", "--recipe", "qwen3_proxy_muon", "--yaml", str(yaml_path),
-                            "train.train_iters=12")
+    assert nemo_llm([*dryrun[2:], "model.vocab_size=4000"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: the tokenizer in {dirs['qwen']} has 4,096 tokens but model.vocab_size is 4,000: its ids would not "
+        "fit the embedding; use the model's own tokenizer (or a model with a larger vocabulary)\n")
+    result, run = _pretrain(tmp_path, _as_cpu_run(launch, "qwen3_proxy_muon"), "train.train_iters=12")
     assert f"data: dataset.blend=[['{blend}-0', '{blend}-1'], [0.7, 0.3]]" in result.stderr
     losses = _losses(run)
     assert len(losses) == 12 and losses[0] > 8.0 and losses[-1] < losses[0] - 0.5, losses  # ln 4096 = 8.32
@@ -383,28 +412,31 @@ def test_qwen_blend_trains_and_megatron_honours_the_split(dirs, tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_kimi_tokenizer_trains_without_remote_code(dirs, tmp_path, capsys, monkeypatch):
-    """docs/data.md, Kimi K2: a tiktoken directory through prepare-data, the dry run of kimi_k2_muon, training."""
+def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, monkeypatch):
+    """docs/data.md, Kimi K2, command by command: a tiktoken directory through prepare-data, the dry run of
+    kimi_k2_muon (and its refusal of a split Megatron cannot build), training (kimi_k2_proxy_muon on CPU)."""
+    prepare, dryrun, launch = doc_commands("Kimi K2")
+    assert prepare[:3] == ["nemo", "llm", "prepare-data"] and dryrun[-1] == "--dryrun" and launch[0] == "torchrun"
     monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
-    write_jsonl(tmp_path / "corpus.jsonl", stdlib_documents(12) + MULTILINGUAL * 3)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "mixed.jsonl", stdlib_documents(12) + MULTILINGUAL * 3)
+    models = {"/models/Kimi-K2-Instruct": str(dirs["kimi"])}
+    assert nemo_llm([models.get(a, a) for a in prepare[2:]] + ["--quiet"]) == 0
     prefix = tmp_path / "data" / "kimi"
-    assert nemo_llm(["prepare-data", "--input", str(tmp_path / "corpus.jsonl"), "--tokenizer", str(dirs["kimi"]),
-                     "--out", str(prefix), "--split", "90,5,5", "--append-eod", "--quiet"]) == 0
     # 36 documents: Megatron's bounds round(0.9 x 36) = 32, round(0.95 x 36) = 34
     assert "split     90,5,5: 32 / 2 / 2 documents (train / valid / test) of kimi\n" in capsys.readouterr().out
     base = dirs["kimi_base"]
-    assert nemo_llm(["pretrain", "--recipe", "kimi_k2_muon", "--yaml", f"{prefix}.yaml", "--dryrun"]) == 0
+    assert nemo_llm(dryrun[2:]) == 0
     assert (f"tokenizer   tiktoken ({base:,} + 256 special tokens, Kimi K2 rules) from {dirs['kimi']}, end of "
             f"document id {base + 1}; fits model.vocab_size 163,840") in capsys.readouterr().out
     # 98,1,1 of 36 documents: test would be [round(35.64), 36) = [36, 36), which megatron-core loops on forever
-    assert nemo_llm(["pretrain", "--recipe", "kimi_k2_muon", "--yaml", f"{prefix}.yaml", "dataset.split=98,1,1",
-                     "--dryrun"]) == 2
+    assert nemo_llm([*dryrun[2:], "dataset.split=98,1,1"]) == 2
     assert capsys.readouterr().err == (
         f"error: dataset.split 98,1,1 leaves the test split of {prefix} (36 documents) empty, which Megatron cannot "
         "build; use more documents or a split with 0 for it (e.g. dataset.split=98,2,0)\n")
-    result, run = _pretrain(tmp_path, "run", "--recipe", "kimi_k2_proxy_muon", "--yaml", f"{prefix}.yaml",
-                            "train.train_iters=10")
+    result, run = _pretrain(tmp_path, _as_cpu_run(launch, "kimi_k2_proxy_muon"), "train.train_iters=10")
     assert "building HuggingFaceTokenizer" in result.stdout + result.stderr
     losses = _losses(run)
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
