@@ -3,9 +3,9 @@
 NeMo-Run's own executors and launcher do the work (``nemo_run.LocalExecutor`` / ``nemo_run.SlurmExecutor``
 with ``launcher="torchrun"``, in an ``Experiment``); nothing here writes an sbatch script or a torchrun line.
 What runs is what was validated: the config is resolved and checked for the layout's GPU count in this
-process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes into the job's ``configs/``
-(NeMo-Run's ``Executor.package_configs``; mounted at ``/nemo_run/configs`` in a Slurm container), and every
-rank starts ``python -m bridge_ext.cli llm pretrain --recipe NAME --layout L --preset P --yaml THAT_FILE``.
+process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes to ``JOB_DIR/configs/NAME-TIME.yaml``
+(mounted read-only at ``/nemo_run_configs`` in a Slurm container), and every rank starts
+``python -m bridge_ext.cli llm pretrain --recipe NAME --layout L --preset P --yaml THAT_FILE``.
 
 - ``local``: torchrun with the layout's process count on this machine (1 node); on a machine without GPUs
   the proxies' multi-process layouts (``cpu-dp2``, ``cpu-tp2``, ...) train on CPU with gloo.
@@ -36,6 +36,7 @@ __all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "add_launch_arguments
 Executor = Literal["local", "slurm"]
 EXECUTORS: tuple[Executor, ...] = ("local", "slurm")
 CONTAINER_IMAGE = "nvcr.io/nvidia/nemo:26.02"  # the stack this package is pinned to (docs/stacks.md)
+CONFIG_MOUNT = "/nemo_run_configs"  # where a Slurm job sees --job-dir/configs
 ROOT = Path(__file__).resolve().parent.parent
 
 # Environment for Megatron on GPUs (as NeMo's and Megatron Bridge's launch scripts set it):
@@ -170,16 +171,20 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
     from bridge_ext.overrides import config_to_yaml
 
     resolved = config_to_yaml(cfg)
+    # The config travels as a file in the job directory (a path the nodes see), mounted read-only on Slurm.
+    import time
+
+    configs = job_dir / "configs"
+    config_file = configs / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.yaml"
+    config = f"{CONFIG_MOUNT}/{config_file.name}" if args.executor == "slurm" else str(config_file)
     from rich.console import Console
 
     with Console(stderr=True).status("NeMo-Run: preparing the job ..."):
         import nemo_run as run
-        from nemo_run.config import RUNDIR_NAME
 
         executor = _executor(args, nodes, per_node, job_dir)
-    name = f"{recipe.name}.yaml"
-    # Slurm: NeMo-Run mounts the job directory at /nemo_run; local: the file itself.
-    config = f"/{RUNDIR_NAME}/configs/{name}" if args.executor == "slurm" else "{config}"
+    if args.executor == "slurm":
+        executor.container_mounts.append(f"{configs}:{CONFIG_MOUNT}:ro")
     task = run.Script(path="bridge_ext.cli", m=True, entrypoint="python",
                       args=_task_args(args, recipe, layout.cluster, config))
     from nemo_run.config import get_nemorun_home, set_nemorun_home
@@ -190,8 +195,12 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
 
         temporary = tempfile.mkdtemp(prefix="nemo_run_dryrun_")
         set_nemorun_home(temporary)
-    elif args.executor == "local":  # the local run's logs and config next to the other runs
-        set_nemorun_home(str(job_dir))
+    else:
+        configs.mkdir(parents=True, exist_ok=True)
+        _write_new(config_file, resolved)
+        print(f"config: {config_file} (the resolved, validated YAML; `--to-yaml` writes the same)", file=sys.stderr)
+        if args.executor == "local":  # the local run's logs next to its config
+            set_nemorun_home(str(job_dir))
     state, script = None, None
     import contextlib
 
@@ -199,14 +208,13 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
     quiet = contextlib.redirect_stdout(sys.stderr) if args.dryrun else contextlib.nullcontext()
     try:
         with quiet, run.Experiment(recipe.name, executor=executor, log_level="WARN") as exp:
-            exp.add(task, name=recipe.name, tail_logs=not args.dryrun)
+            exp.add(task, name=recipe.name, tail_logs=args.executor == "local" and not args.dryrun)
             job = exp.jobs[0]
-            written = job.executor.package_configs((name, resolved))[0]
-            if args.executor == "local":
-                job.task.args = [written if a == "{config}" else a for a in job.task.args]
             if args.dryrun:
-                exp.dryrun(log=False, exist_ok=True)
+                exp.dryrun(log=False)
                 script = _dryrun_text(job, args.executor)
+            elif args.executor == "slurm":  # submit and return: Slurm runs it
+                exp.run(detach=True)
             else:
                 exp.run(sequential=True, detach=False, tail_logs=True)
                 state = exp.status(return_dict=True)
@@ -220,6 +228,15 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
         print(script, end="")
         return 0
     return _exit_code(state)
+
+
+def _write_new(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    if path.exists():
+        tmp.unlink()
+        raise UserError(f"{path} exists; launch again (the name carries the time to the second)")
+    tmp.replace(path)
 
 
 def _dryrun_text(job: Any, executor: str) -> str:

@@ -107,7 +107,8 @@ def provider_fields(hf: dict[str, Any], *, seq_length: int, tp: int) -> dict[str
         "num_layers": layers, "hidden_size": h, "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads", heads), "ffn_hidden_size": hf["intermediate_size"],
         "kv_channels": hf.get("head_dim") or h // heads, "vocab_size": hf["vocab_size"],
-        "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": tp, "seq_length": seq_length,
+        "make_vocab_size_divisible_by": _vocab_divisor(hf["vocab_size"]), "tensor_model_parallel_size": tp,
+        "seq_length": seq_length,
         "gated_linear_unit": True, "activation_func": SILU, "num_moe_experts": experts,
         "moe_ffn_hidden_size": hf.get("moe_intermediate_size") if experts else None,
         "moe_router_topk": hf.get("num_experts_per_tok", 2) if experts else 2,
@@ -116,7 +117,9 @@ def provider_fields(hf: dict[str, Any], *, seq_length: int, tp: int) -> dict[str
     }
     if mla:
         first_dense = hf.get("first_k_dense_replace", 0)
-        fields.update(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        fields.update(make_vocab_size_divisible_by=1280,  # megatron/bridge/models/deepseek/deepseek_v3_bridge.py
+                      kv_channels=hf.get("head_dim") or hf["qk_rope_head_dim"],  # transformers' DeepseekV3Config
+                      q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                       qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
                       v_head_dim=hf["v_head_dim"],
                       moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense))
@@ -125,6 +128,14 @@ def provider_fields(hf: dict[str, Any], *, seq_length: int, tp: int) -> dict[str
     if hf.get("num_nextn_predict_layers"):
         fields["mtp_num_layers"] = None  # AutoBridge does not build MTP layers for pre-training by default
     return fields
+
+
+def _vocab_divisor(vocab_size: int) -> int:
+    """``MegatronModelBridge.make_vocab_size_divisible_by``: the largest power of 2 up to 128 dividing it."""
+    base = 128
+    while vocab_size % base:
+        base //= 2
+    return base
 
 
 def model_flops_per_step(hf: dict[str, Any], *, seq_length: int, tp: int, global_batch_size: int) -> float:
