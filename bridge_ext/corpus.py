@@ -223,9 +223,10 @@ class Prepared:
         return [self.prefixes, self.weights]
 
     def overrides(self) -> str:
-        """The same settings as ``nemo llm pretrain`` overrides (what the YAML holds)."""
+        """The same settings as ``nemo llm pretrain`` overrides for a POSIX shell (what the YAML holds); the
+        split is quoted for Hydra, which would read ``98,1,1`` as a sweep."""
         blend = json.dumps(self.blend()).replace(" ", "")
-        return (f"dataset.blend='{blend}' dataset.split={self.split} tokenizer.tokenizer_type=HuggingFaceTokenizer "
+        return (f"dataset.blend='{blend}' \"dataset.split='{self.split}'\" tokenizer.tokenizer_type=HuggingFaceTokenizer "
                 f"tokenizer.tokenizer_model={self.tokenizer_dir}")
 
 
@@ -502,7 +503,7 @@ def blend_problems(cfg: Any) -> list[str]:
             if empty:  # megatron-core's GPTDataset._get_num_epochs never ends on a split without tokens
                 out.append(f"dataset.split {split} leaves the {' and '.join(empty)} split of {prefix} "
                            f"({documents} documents) empty, which Megatron cannot build; use more documents or a "
-                           "split with 0 for it (e.g. dataset.split=98,2,0)")
+                           "split with 0 for it (e.g. \"dataset.split='98,2,0'\")")
         record = _record(Path(prefix))
         if not record:
             continue
@@ -538,7 +539,8 @@ def register_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=float, nargs="+", metavar="W", help="one weight per --input set (blend)")
     parser.add_argument("--split", default=DEFAULT_SPLIT,
                         help=f"train,valid,test document split Megatron applies (default {DEFAULT_SPLIT})")
-    parser.add_argument("--workers", type=int, default=2, help="tokenizer threads (default 2)")
+    parser.add_argument("--workers", type=int, default=2, help="tokenizer threads (default 2; tiktoken: its encode_batch "
+                        "threads, Hugging Face: the Rust backend uses every core, RAYON_NUM_THREADS limits it)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eos token")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs made differently")
 

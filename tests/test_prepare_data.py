@@ -389,6 +389,13 @@ def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_p
     blend, yaml_path = tmp_path / "data" / "qwen3", tmp_path / "data" / "qwen3.yaml"
     out = capsys.readouterr().out
     assert f"--yaml {yaml_path}" in out and "split     80,10,10: 32 / 4 / 4 documents" in out
+    # the printed overrides (for a shell) say what the YAML says
+    overrides = shlex.split(next(line for line in out.splitlines() if line.startswith("overrides "))[10:])
+    assert nemo_llm(["pretrain", "--recipe", "qwen3_proxy_muon", *overrides, "--to-yaml", "via-overrides.yaml"]) == 0
+    assert nemo_llm(["pretrain", "--recipe", "qwen3_proxy_muon", "--yaml", str(yaml_path), "--to-yaml",
+                     "via-yaml.yaml"]) == 0
+    assert (tmp_path / "via-overrides.yaml").read_text() == (tmp_path / "via-yaml.yaml").read_text()
+    capsys.readouterr()
     # the dry run of the full recipe checks the tokenizer against the model's vocabulary ...
     assert nemo_llm(dryrun[2:]) == 0
     out = capsys.readouterr().out
@@ -432,10 +439,11 @@ def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, mo
     assert (f"tokenizer   tiktoken ({base:,} + 256 special tokens, Kimi K2 rules) from {dirs['kimi']}, end of "
             f"document id {base + 1}; fits model.vocab_size 163,840") in capsys.readouterr().out
     # 98,1,1 of 36 documents: test would be [round(35.64), 36) = [36, 36), which megatron-core loops on forever
-    assert nemo_llm([*dryrun[2:], "dataset.split=98,1,1"]) == 2
+    assert nemo_llm(["pretrain", "--recipe", "kimi_k2_proxy_muon", "--yaml", "data/kimi.yaml",
+                     "dataset.split='98,1,1'", "--dryrun"]) == 2
     assert capsys.readouterr().err == (
         f"error: dataset.split 98,1,1 leaves the test split of {prefix} (36 documents) empty, which Megatron cannot "
-        "build; use more documents or a split with 0 for it (e.g. dataset.split=98,2,0)\n")
+        "build; use more documents or a split with 0 for it (e.g. \"dataset.split='98,2,0'\")\n")
     result, run = _pretrain(tmp_path, _as_cpu_run(launch, "kimi_k2_proxy_muon"), "train.train_iters=10")
     assert "building HuggingFaceTokenizer" in result.stdout + result.stderr
     losses = _losses(run)
