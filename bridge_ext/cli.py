@@ -295,7 +295,8 @@ def _train(recipe, cfg, *, device: str, data: str) -> int:
                if step is not None else " (nothing saved)"), file=sys.stderr)
     if prepared.use_cpu:
         curve = run_dir / "loss.png"
-        training.write_loss_curve(losses, curve, title=f"{recipe.name}, {recipe.preset.name} preset")
+        if training.records_losses_here():  # one writer when several processes train
+            training.write_loss_curve(losses, curve, title=f"{recipe.name}, {recipe.preset.name} preset")
         say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
         say(f"TensorBoard log: {cfg.logger.tensorboard_dir}")
         say(f"loss curve:      {curve} (values: {losses})")

@@ -1,16 +1,19 @@
-"""Official settings that run a Megatron Bridge config on one CPU process, process setup, and validating a
-GPU recipe on a machine without a GPU (``--dryrun``). No patches here: those are in ``bridge_ext.cpu_mode``.
+"""Official settings that run a Megatron Bridge config on CPU processes (one, or several under torchrun),
+process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: those are in ``bridge_ext.cpu_mode``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from typing import Any
 
+from bridge_ext.errors import UserError
 from bridge_ext.stack import expect_snippets, have_transformer_engine
 
-__all__ = ["configure_for_cpu", "cpu_layer_spec", "init_single_process_distributed", "reset_megatron_globals",
-           "validation_without_gpu"]
+__all__ = ["configure_for_cpu", "cpu_layer_spec", "init_cpu_distributed", "init_single_process_distributed",
+           "launched_world_size", "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
 
 
 
@@ -29,6 +32,22 @@ def init_single_process_distributed() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+def init_cpu_distributed() -> None:
+    """The CPU run's process group: one process on an in-memory store, several (torchrun) over gloo.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the group uses the launcher's rendezvous (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``); no-op when a group exists.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if launched_world_size() == 1:
+        init_single_process_distributed()
+    else:
+        dist.init_process_group("gloo")
+
+
 def reset_megatron_globals() -> None:
     """Clear the Megatron process globals that outlive one ``pretrain()`` or model, for the next one.
 
@@ -37,17 +56,22 @@ def reset_megatron_globals() -> None:
     ``MoEAuxLossAutoScaler.main_loss_backward_scale`` left 0-d by a backward outside ``pretrain()``
     (``initialize.py:209`` then fails to ``copy_`` a [1] tensor into it); and moe_utils'
     ``_MOE_LAYER_WISE_LOGGING_TRACKER``, sized for the first MoE model's layer count (IndexError at
-    ``moe_utils.py:897`` for a deeper one). Leaves the process group alone. Not CPU-specific.
+    ``moe_utils.py:897`` for a deeper one); and ``checkpoint_utils.read_train_state``'s cache, whose
+    ``TrainState`` the last run advanced (a second load of that checkpoint would start at the wrong
+    iteration). Leaves the process group alone. Not CPU-specific.
     """
     from megatron.bridge.training.initialize import destroy_global_state
+    from megatron.bridge.training.utils import checkpoint_utils
     from megatron.core.transformer.moe import moe_utils
 
     destroy_global_state()
+    for cached in ("read_train_state", "read_run_config"):  # lru_cache'd; the TrainState is mutated by training
+        getattr(getattr(checkpoint_utils, cached, None), "cache_clear", lambda: None)()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER.clear()
 
 
-# Model settings that cannot run on one CPU process, and the value that can. Everything else is kept.
+# Model settings that cannot run on CPU processes, and the value that can. Everything else is kept.
 _CPU_MODEL_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",  # TE kernels are CUDA-only
     "use_transformer_engine_full_layer_spec": False,
@@ -68,7 +92,14 @@ _CPU_MODEL_SETTINGS: dict[str, Any] = {
     "cross_entropy_loss_fusion": False,
     "moe_permute_fusion": False,
     "moe_router_fusion": False,
-    # one process: no model parallelism and nothing to overlap with
+    # nothing to overlap with on a CPU
+    "tp_comm_overlap": False,
+    "moe_shared_expert_overlap": False,  # needs a CUDA side stream
+    "overlap_moe_expert_parallel_comm": False,
+}
+
+# Model parallelism a launch that cannot hold it falls back to (one process: every size 1).
+_SINGLE_PROCESS_SIZES: dict[str, Any] = {
     "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
     "virtual_pipeline_model_parallel_size": None,
@@ -77,10 +108,53 @@ _CPU_MODEL_SETTINGS: dict[str, Any] = {
     "expert_model_parallel_size": 1,
     "expert_tensor_parallel_size": 1,
     "sequence_parallel": False,
-    "tp_comm_overlap": False,
-    "moe_shared_expert_overlap": False,  # needs a CUDA side stream
-    "overlap_moe_expert_parallel_comm": False,
 }
+
+
+def launched_world_size() -> int:
+    """Processes in this run: the process group's size, else torchrun's ``WORLD_SIZE``, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _parallel_shape(model: Any) -> str:
+    sizes = {"TP": model.tensor_model_parallel_size, "PP": model.pipeline_model_parallel_size,
+             "CP": model.context_parallel_size, "EP": model.expert_model_parallel_size}
+    return " ".join(f"{k}{v or 1}" for k, v in sizes.items())
+
+
+def processes_needed(model: Any) -> int:
+    """The fewest processes that hold the model's parallel sizes (Megatron's decomposition:
+    ``tp*pp*cp`` and ``etp*ep*pp`` both divide the world size)."""
+    tp, pp, cp = (model.tensor_model_parallel_size or 1, model.pipeline_model_parallel_size or 1,
+                  model.context_parallel_size or 1)
+    ep, etp = model.expert_model_parallel_size or 1, model.expert_tensor_parallel_size or tp
+    return math.lcm(tp * pp * cp, etp * ep * pp)
+
+
+def _fit_parallelism(model: Any, world_size: int) -> str | None:
+    """Keep the model's parallel sizes when ``world_size`` processes hold them; one process falls back to
+    every size 1 (returns a note saying so); any other misfit is a ``UserError``."""
+    needed = processes_needed(model)
+    if world_size % needed == 0:
+        if model.pipeline_model_parallel_size > 1:
+            import torch
+
+            model.pipeline_dtype = torch.float32  # what travels between stages: CPU mode is fp32
+        return None
+    shape = _parallel_shape(model)
+    if world_size == 1:
+        for name, value in _SINGLE_PROCESS_SIZES.items():
+            if hasattr(model, name):
+                setattr(model, name, value)
+        return (f"CPU mode: {shape} needs {needed} processes and this is one: training with every parallel "
+                f"size 1 (launch with `torchrun --nproc-per-node {needed}` to keep them)")
+    raise UserError(f"{shape} needs a multiple of {needed} processes, launched with {world_size}; "
+                    f"use `torchrun --nproc-per-node {needed}` or a layout for {world_size} processes")
+
 
 # MoE-only settings (set only when the model has experts).
 _CPU_MOE_SETTINGS: dict[str, Any] = {
@@ -97,7 +171,7 @@ def cpu_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
 
 
-def _configure_model(model: Any) -> None:
+def _configure_model(model: Any, world_size: int) -> str | None:
     import torch
 
     for name, value in _CPU_MODEL_SETTINGS.items():
@@ -113,22 +187,26 @@ def _configure_model(model: Any) -> None:
     if hasattr(model, "autocast_dtype"):
         model.autocast_dtype = torch.float32
     model.transformer_layer_spec = cpu_layer_spec
+    return _fit_parallelism(model, world_size)
 
 
-def configure_for_cpu(cfg: Any) -> None:
-    """Rewrite a Megatron Bridge ``ConfigContainer`` to the official settings that run on one CPU process.
+def configure_for_cpu(cfg: Any, *, world_size: int | None = None) -> str | None:
+    """Rewrite a Megatron Bridge ``ConfigContainer`` to the official settings that run on CPU processes.
 
-    Only what cannot run on one CPU process changes (layer spec, fusions, precision, parallelism,
-    distributed optimizer, overlap, backend); data, tokenizer, optimizer hyper-parameters, schedule,
-    recompute and checkpoint settings stay. A bare model provider (e.g. from
-    ``AutoBridge.to_megatron_provider``) is accepted too; then only the model settings change.
+    Only what cannot run on a CPU changes (layer spec, fusions, precision, overlap, backend); data,
+    tokenizer, optimizer (``dist_muon`` included), schedule, recompute and checkpoint settings stay. The
+    parallel sizes (TP, PP, VP, CP, EP) stay when ``world_size`` processes (default: this launch's) hold
+    them; one process that cannot falls back to every size 1 and the returned note says so; any other
+    misfit is a ``UserError``. The distributed optimizer stays as configured with several processes (one
+    has nothing to distribute: off). A bare model provider (e.g. from ``AutoBridge.to_megatron_provider``) is
+    accepted too; then only the model settings change. Returns a note for the console, or None.
     """
     import torch
 
+    world_size = world_size or launched_world_size()
     if not hasattr(cfg, "model"):  # a GPTModelProvider
-        _configure_model(cfg)
-        return
-    _configure_model(cfg.model)
+        return _configure_model(cfg, world_size)
+    note = _configure_model(cfg.model, world_size)
     cfg.mixed_precision = None  # fp32: the bf16 optimizer wrapper rejects CPU tensors on megatron-core 0.16
     cfg.comm_overlap = None
     cfg.dist.distributed_backend = "gloo"
@@ -137,17 +215,14 @@ def configure_for_cpu(cfg: Any) -> None:
     cfg.dist.use_torch_fsdp2 = False
     cfg.dist.external_gpu_device_mapping = False
     cfg.rng.te_rng_tracker = False
-    for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp"):
+    for name in ("overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp"):
         if hasattr(cfg.ddp, name):
             setattr(cfg.ddp, name, False)
     opt = cfg.optimizer
-    if opt.optimizer == "dist_muon":
-        # Layer-wise distributed Muon in fp32 trains but cannot save on megatron-core 0.16: torch_dist save
-        # raises KeyError 'optimizer' at optimizer/layer_wise_optimizer.py:289 (its fp32 state dict has no
-        # such key), and CPU must be fp32 (bf16 optimizers reject CPU tensors). With one data-parallel
-        # rank every layer lives on that rank anyway, so plain Muon computes the same update.
-        opt.optimizer = "muon"
-    opt.use_distributed_optimizer = False
+    if world_size == 1:
+        cfg.ddp.use_distributed_optimizer = opt.use_distributed_optimizer = False
+    # dist_muon (layer-wise Muon) stays: its fp32 checkpoint save is fixed in CPU mode
+    # (cpu_mode: layer-wise-fp32-save), and over one data-parallel rank it computes plain Muon's update.
     opt.overlap_param_gather_with_optimizer_step = False
     opt.bf16 = False
     opt.fp16 = False
@@ -163,6 +238,7 @@ def configure_for_cpu(cfg: Any) -> None:
     cfg.straggler = None
     cfg.nvrx_straggler = None
     cfg.checkpoint.fully_parallel_load = False  # exchange_utils.py:98 allocates shards with init_data("cuda")
+    return note
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from typing import Any
 
 from bridge_ext.compat import apply_stack_fixes
 from bridge_ext.cpu_config import (  # re-exported: CPU mode's settings and process setup
-    configure_for_cpu, cpu_layer_spec, init_single_process_distributed, reset_megatron_globals, validation_without_gpu,
+    configure_for_cpu, cpu_layer_spec, init_cpu_distributed, init_single_process_distributed, launched_world_size,
+    reset_megatron_globals, validation_without_gpu,
 )
 from bridge_ext.sdpa_attention import SDPACoreAttention
 from bridge_ext.stack import (
@@ -50,7 +51,9 @@ __all__ = [
     "cpu_layer_spec",
     "cpu_mode_active",
     "enable_cpu_mode",
+    "init_cpu_distributed",
     "init_single_process_distributed",
+    "launched_world_size",
     "patch_table",
     "reset_megatron_globals",
 ]
@@ -229,6 +232,14 @@ class _DistributedOnCPU:
             backend = "gloo"
         return _torch().distributed.new_group(*args, backend=backend, **kwargs)
 
+    @staticmethod
+    def scatter(tensor: Any, scatter_list: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """gloo's scatter reads each input as if it were contiguous: a strided view arrives scrambled (torch
+        2.10 and 2.14.1, ``ProcessGroupGloo::scatter``; NCCL is not affected). Contiguous copies are sent."""
+        if scatter_list is not None:
+            scatter_list = [t.contiguous() for t in scatter_list]
+        return _torch().distributed.scatter(tensor, scatter_list, *args, **kwargs)
+
 
 _FACTORIES = frozenset(
     {
@@ -372,6 +383,18 @@ _TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
     "megatron.core.pipeline_parallel.schedules": (
         'total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',
     ),
+    # pipeline p2p: tensor-shape exchange buffers and receive buffers on the current CUDA device, synchronize
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        '(3,), device=torch.cuda.current_device(), dtype=torch.int64',
+        'tensor_send_prev.size(), device=torch.cuda.current_device(), dtype=torch.int64',
+        'device=torch.cuda.current_device(),',
+        'torch.cuda.synchronize()',
+    ),
+    # distributed optimizer: checkpoint shards and gathers allocated on the current CUDA device
+    "megatron.core.optimizer.distrib_optimizer": (
+        '(numel,), dtype=dtype, device=torch.cuda.current_device()',
+        'device = "cpu" if use_gloo_comm else torch.cuda.current_device()',
+    ),
     "megatron.core.timers": (
         'torch.cuda.synchronize()',
         '(world_size, len(names)), dtype=torch.float, device=torch.cuda.current_device()',
@@ -392,6 +415,13 @@ _TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'ddp_stream.wait_stream(torch.cuda.current_stream())',
         'with torch.cuda.stream(ddp_stream):',
         'torch.cuda.current_stream().wait_stream(ddp_stream)',
+    ),
+    # conversion under TP > 1 (nemo llm import --tp): replicated weights (norms, router) are moved to the CUDA
+    # device before their broadcast to the TP ranks. Also gives scatter_to_tp_ranks' torch.distributed.scatter
+    # of row-parallel shards (torch.chunk(dim=1) views) _DistributedOnCPU.scatter, which sends copies.
+    "megatron.bridge.models.conversion.param_mapping": (
+        'if target_device.index != torch.cuda.current_device():',
+        'hf_weights = hf_weights.to(torch.cuda.current_device())',
     ),
     # Megatron Bridge's training loop, batches, logging, checkpoints
     "megatron.bridge.training.setup": (
@@ -526,6 +556,95 @@ def _jit_warmup(warmup: Callable) -> Callable:
     return warmup_jit_function
 
 
+def _rewritten(qualname: str, replacements: tuple[tuple[str, str], ...]) -> Callable[[Any], Any]:
+    """``make`` for a patch that recompiles one upstream function with a few exact text replacements.
+
+    The function's own source is read, each ``old`` must occur in it (the patch's snippets are the
+    ``old`` strings, so ``check_patch_targets`` reports drift first), and the result is compiled in the
+    upstream module's globals under the same name: every other line is upstream's, unchanged.
+    """
+
+    def make(old_function: Any) -> Any:
+        import inspect
+        import textwrap
+
+        function = getattr(old_function, "__func__", old_function)
+        source = textwrap.dedent(inspect.getsource(function))
+        for old, new in replacements:
+            if old not in source:
+                raise UpstreamDrift(f"{package_of(function.__module__)}: {qualname} no longer contains {old!r}")
+            source = source.replace(old, new)
+        namespace: dict[str, Any] = {}
+        module = sys.modules[function.__module__]
+        exec(compile(source, f"<bridge_ext.cpu_mode: {function.__module__}.{qualname}>", "exec"),
+             module.__dict__, namespace)
+        return namespace[function.__name__]
+
+    return make
+
+
+# distrib_optimizer.py's fp32/fp16/bf16 check asks for the legacy CUDA type names (megatron-core 0.16:
+# `_build_model_and_main_param_groups`, lines 361, 420, 431); a CPU parameter is 'torch.FloatTensor'.
+_DISTRIB_OPTIMIZER_TYPES = (
+    ("if model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:",
+     "if model_param.type() in ['torch.HalfTensor', 'torch.BFloat16Tensor']:"),
+    ("elif model_param.type() == 'torch.cuda.FloatTensor':", "elif model_param.type() == 'torch.FloatTensor':"),
+)
+
+# layer_wise_optimizer.py (dist_muon): `allgather_params` all-gathers each rank's flattened parameters, whose
+# sizes differ (an all_gather_v); gloo requires equal sizes. Every rank pads to the largest and trims.
+_LAYER_WISE_ALLGATHER = (
+    ("torch.distributed.all_gather(output_list, src, group=group)",
+     "_bridge_ext_all_gather_v(output_list, src, group)"),
+)
+
+# layer_wise_optimizer.py `sharded_state_dict` (torch_dist save) reads sd['optimizer'] for every chained
+# member, which only mixed-precision members have; an fp32 member (FP32Optimizer) is the torch optimizer's
+# own state dict ({'state', 'param_groups'}): KeyError 'optimizer' (megatron-core 0.16, line 289). The loop
+# sees an fp32 member through a {'optimizer': member} view, so its edits land in the member itself.
+_LAYER_WISE_SAVE = (
+    ("for sd in wrapped_sharded_state_dict.values():",
+     "for sd in (s if 'optimizer' in s else {'optimizer': s} for s in wrapped_sharded_state_dict.values()):"),
+    ("super().sharded_state_dict(", "super(LayerWiseDistributedOptimizer, self).sharded_state_dict("),
+    # It also marks every optimizer-state shard as the main replica (replica_id 0, "for fixed DP usage
+    # only"), which is right for the parameters it spread over the data-parallel ranks, but with one such
+    # rank it spreads nothing (`shard_params` returns early) while expert parameters may still be replicated
+    # over the expert-data-parallel ranks (TP2 with ETP1: both TP ranks hold every expert): two main
+    # replicas, "Invalid access pattern" on save and load. Then upstream's replica ids stay.
+    ("for sh_base in nested_values(sharded_state_dict):",
+     "for sh_base in (nested_values(sharded_state_dict) if self.dp_cp_params_list is not None else ()):"),
+)
+
+
+# transformer/torch_norm.py: the local spec's norms (no Apex, no TE) refuse sequence parallelism (`WrappedTorchNorm`,
+# megatron-core 0.16 line 32). Their weights only need what TE's and Apex's norms do: the `sequence_parallel`
+# flag, so that finalize_model_grads sums their gradients over the tensor-parallel ranks.
+_TORCH_NORM_SEQUENCE_PARALLEL = (
+    ('assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"', ""),
+    ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
+     "return _bridge_ext_sequence_parallel_norm(norm_cls(normalized_shape=hidden_size, eps=eps), config)"),
+)
+
+
+def _sequence_parallel_norm(norm: Any, config: Any) -> Any:
+    """Flag a norm's parameters as TE's and Apex's norms do (``setattr(p, 'sequence_parallel', ...)``)."""
+    for param in norm.parameters():
+        param.sequence_parallel = bool(config.sequence_parallel)
+    return norm
+
+
+def _all_gather_v(output_list: list, src: Any, group: Any) -> None:
+    """``all_gather`` of tensors of different sizes over gloo: pad to the largest, gather, copy back."""
+    torch = _torch()
+    size = max(t.numel() for t in output_list)
+    padded = [torch.empty(size, dtype=src.dtype, device=src.device) for _ in output_list]
+    source = torch.zeros(size, dtype=src.dtype, device=src.device)
+    source[: src.numel()] = src
+    torch.distributed.all_gather(padded, source, group=group)
+    for out, got in zip(output_list, padded):
+        out.copy_(got[: out.numel()])
+
+
 _PATCHES: tuple[_Patch, ...] = (
     _Patch(
         name="jit-warmup",
@@ -585,6 +704,61 @@ _PATCHES: tuple[_Patch, ...] = (
         why="without TE the name is never bound (only imported in a try block): NameError in every router",
         make=lambda old: None,
         must_exist=False,
+    ),
+    _Patch(
+        name="distrib-optimizer-cpu-types",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attr="DistributedOptimizer._build_model_and_main_param_groups",
+        snippets=tuple(old for old, _ in _DISTRIB_OPTIMIZER_TYPES),
+        why="the distributed optimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError for CPU fp32 ones); "
+        "recompiled with the CPU type names",
+        make=_rewritten("DistributedOptimizer._build_model_and_main_param_groups", _DISTRIB_OPTIMIZER_TYPES),
+    ),
+    _Patch(
+        name="layer-wise-all-gather-v (helper)",
+        module="megatron.core.optimizer.layer_wise_optimizer",
+        attr="_bridge_ext_all_gather_v",
+        snippets=("torch.distributed.all_gather(output_list, src, group=group)",),
+        why="the padded all-gather the layer-wise optimizer's recompiled allgather_params calls",
+        make=lambda old: _all_gather_v,
+        must_exist=False,
+    ),
+    _Patch(
+        name="layer-wise-all-gather-v",
+        module="megatron.core.optimizer.layer_wise_optimizer",
+        attr="LayerWiseDistributedOptimizer.allgather_params",
+        snippets=tuple(old for old, _ in _LAYER_WISE_ALLGATHER),
+        why="dist_muon all-gathers parameter shards of different sizes per rank; gloo needs equal sizes "
+        "(RuntimeError); padded to the largest",
+        make=_rewritten("LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER),
+    ),
+    _Patch(
+        name="layer-wise-fp32-save",
+        module="megatron.core.optimizer.layer_wise_optimizer",
+        attr="LayerWiseDistributedOptimizer.sharded_state_dict",
+        snippets=(*(old for old, _ in _LAYER_WISE_SAVE), "if not sd['optimizer']['state']:"),
+        why="dist_muon's torch_dist save reads sd['optimizer'], which an fp32 member lacks (KeyError 'optimizer'; "
+        "CPU mode is fp32); and marks replicated expert state as main replica on every rank when one "
+        "data-parallel rank spreads nothing (TP2 ETP1: invalid access pattern)",
+        make=_rewritten("LayerWiseDistributedOptimizer.sharded_state_dict", _LAYER_WISE_SAVE),
+    ),
+    _Patch(
+        name="torch-norm-sequence-parallel (helper)",
+        module="megatron.core.transformer.torch_norm",
+        attr="_bridge_ext_sequence_parallel_norm",
+        snippets=("return norm_cls(normalized_shape=hidden_size, eps=eps)",),
+        why="flags the norm's parameters for sequence parallelism; called by the recompiled WrappedTorchNorm",
+        make=lambda old: _sequence_parallel_norm,
+        must_exist=False,
+    ),
+    _Patch(
+        name="torch-norm-sequence-parallel",
+        module="megatron.core.transformer.torch_norm",
+        attr="WrappedTorchNorm.__new__",
+        snippets=tuple(old for old, _ in _TORCH_NORM_SEQUENCE_PARALLEL),
+        why="the local spec's torch norms assert no sequence parallelism (TP layouts turn it on); with their "
+        "weights flagged `sequence_parallel`, finalize_model_grads sums their gradients over TP as for TE's",
+        make=_rewritten("WrappedTorchNorm.__new__", _TORCH_NORM_SEQUENCE_PARALLEL),
     ),
     _Patch(
         name="mla-core-attention",
@@ -650,9 +824,18 @@ def check_patch_targets() -> list[str]:
                 problems.append(f"{package_of(module_name)}: {module_name}'s global `torch` is {current!r}")
     for patch in _PATCHES:
         module = sys.modules.get(patch.module)
-        if module is not None and patch.must_exist and not hasattr(module, patch.attr):
+        if module is not None and patch.must_exist and _owner(module, patch.attr) is None:
             problems.append(f"{package_of(patch.module)}: {patch.module}.{patch.attr} is gone ({patch.name})")
     return problems
+
+
+def _owner(module: Any, attr: str) -> Any:
+    """The object that holds ``attr`` (``"Class.method"`` -> the class), or None when it is gone."""
+    owner = module
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    return owner if owner is not None and hasattr(owner, name) else None
 
 
 def _apply_patches() -> None:
@@ -662,7 +845,9 @@ def _apply_patches() -> None:
         importlib.import_module(module_name).torch = proxy
     for patch in _PATCHES:
         module = importlib.import_module(patch.module)
-        setattr(module, patch.attr, patch.make(getattr(module, patch.attr, None)))
+        owner = _owner(module, patch.attr) or module
+        name = patch.attr.rsplit(".", 1)[-1]
+        setattr(owner, name, patch.make(owner.__dict__.get(name, getattr(owner, name, None))))
     _patch_tensor_cuda()
 
 

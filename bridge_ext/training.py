@@ -16,8 +16,8 @@ from bridge_ext.errors import UserError
 if TYPE_CHECKING:
     from recipes import Recipe
 
-__all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "read_losses", "read_records", "run_pretrain",
-           "write_loss_curve"]
+__all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "read_losses", "read_records",
+           "records_losses_here", "run_pretrain", "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]
@@ -70,7 +70,9 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         from bridge_ext import cpu_mode
 
         cpu_mode.enable_cpu_mode()
-        cpu_mode.configure_for_cpu(cfg)
+        note = cpu_mode.configure_for_cpu(cfg)
+        if note and not quiet and os.environ.get("RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
     from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
     from bridge_ext.muon import MuonTelemetry, apply_preset
@@ -103,11 +105,19 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)
-    stop = kill_safe.graceful_stop()
-    if prepared.use_cpu:
-        from bridge_ext.cpu_mode import init_single_process_distributed
+    from bridge_ext import relayout
+    from bridge_ext.cpu_config import launched_world_size
 
-        init_single_process_distributed()  # in-memory store: no port, no launcher needed
+    relayout.install()  # a resume in another expert-parallel layout loads the optimizer into this layout's structure
+    note = relayout.prepare(cfg, world_size=launched_world_size())
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    stop = kill_safe.graceful_stop()
+    owns_group = prepared.use_cpu and not torch.distributed.is_initialized()
+    if owns_group:
+        from bridge_ext.cpu_mode import init_cpu_distributed
+
+        init_cpu_distributed()  # one process: in-memory store, no port; several: torchrun's rendezvous over gloo
     try:
         pretrain(cfg, forward_step, callbacks=[*prepared.callbacks, *callbacks, stop])
     except SystemExit as exc:  # Megatron Bridge ends a run stopped by its exit signal with sys.exit(0)
@@ -115,13 +125,27 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
             raise
     finally:
         stop.release()
-        if prepared.use_cpu and torch.distributed.is_initialized():
+        if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return stop.received
 
 
+def records_losses_here() -> bool:
+    """Whether this process records the loss: the only one, or the last rank of several (see :func:`loss_recorder`)."""
+    import torch
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        return dist.get_rank() == dist.get_world_size() - 1
+    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+
+
 def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):
-    """A Megatron Bridge callback appending ``{"iteration", "loss", "grad_norm", "time"}`` JSON lines."""
+    """A Megatron Bridge callback appending ``{"iteration", "loss", "grad_norm", "time"}`` JSON lines.
+
+    Several processes: only the last rank writes (the last pipeline stage, where Megatron Bridge reports
+    the loss averaged over the data-parallel ranks; ``train_utils.training_log`` prints on the same rank).
+    """
     import time
 
     import torch
@@ -129,12 +153,22 @@ def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):
 
     class LossRecorder(Callback):
         def __init__(self):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.sink = path.open("a", buffering=1)
-            if extra:
-                self.sink.write(json.dumps(extra) + "\n")
+            self._sink = None
+            if extra and records_losses_here():
+                self.sink  # noqa: B018  (the settings line first, before any loss)
+
+        @property
+        def sink(self):
+            if self._sink is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._sink = path.open("a", buffering=1)
+                if extra:
+                    self._sink.write(json.dumps(extra) + "\n")
+            return self._sink
 
         def on_train_step_end(self, context):
+            if not records_losses_here():
+                return
             loss = context.loss_dict.get("lm loss")
             value = float(loss.item() if torch.is_tensor(loss) else loss) if loss is not None else float("nan")
             grad_norm = float(context.grad_norm) if context.grad_norm is not None else None
@@ -143,6 +177,8 @@ def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):
                                         "grad_norm": grad_norm, "time": time.time()}) + "\n")
 
         def on_train_end(self, context):
+            if not records_losses_here():
+                return
             self.sink.write(json.dumps({"done": True, "time": time.time()}) + "\n")
             self.sink.flush()
 

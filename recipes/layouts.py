@@ -115,7 +115,8 @@ _KIMI_K2_GB300 = Layout(
 )
 
 # Several CPU processes (torchrun --nproc-per-node N, gloo): the same global batch as `cpu`, split over
-# data-parallel ranks or a model-parallel group, so a run in any of them computes what `cpu` computes (docs/parallel.md).
+# data-parallel ranks or a model-parallel group, so a run in any of them computes what `cpu` computes
+# (docs/cpu.md, "Several processes").
 _CPU_WHY = "{what} across {n} CPU processes (torchrun --nproc-per-node {n}, gloo); the same global batch as `cpu`"
 
 

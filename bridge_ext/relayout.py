@@ -1,0 +1,192 @@
+"""Resuming a torch_dist checkpoint in another parallel layout (TP, PP, EP, DP), on GPUs and on CPU.
+
+Megatron saves model weights and optimizer tensors under layout-independent keys (Megatron Bridge sets
+``chained_optim_avoid_prefix``), so most layout changes load as they are. Two parts of a checkpoint follow
+the layout and break a resume where the expert-parallel size changes (Megatron-LM/Megatron Bridge issue
+reports: resuming or exporting an EP>1 checkpoint elsewhere):
+
+- **The optimizer's structure.** With EP>1 the expert weights are not all-reduced (``allreduce=False``),
+  so megatron-core builds them their own param groups and, for Muon and AdamW, their own chained optimizer
+  member: EP1 -> [muon, adam], EP2 -> [muon, muon (experts), adam]. The non-tensor part of the optimizer
+  state (param groups, Adam's step) is saved in ``common.pt`` in the saving layout's structure, and
+  ``dist_checkpointing.load`` merges it into the loading layout's: "Cannot merge two lists with different
+  lengths" (``dist_checkpointing/dict_utils.py``). :func:`install` makes ``dist_checkpointing.load`` load the
+  optimizer state into the *loading* layout's structure: the common part is what this layout would have
+  saved (its param groups), the tensors load by key as always (so they reshard), and the one saved
+  non-tensor value a resume needs is carried over: Adam's step (``common_step``). Learning rate and
+  weight decay come from the scheduler's state, which loads as before.
+- **The RNG state.** With EP>1 Megatron Bridge shards ``rng_state`` over (PP, TP, DP), else over (PP, TP), and
+  its layout check compares only TP and PP (``training/checkpointing.py``): the shapes disagree.
+  :func:`prepare` turns ``checkpoint.load_rng`` off for such a resume (as Megatron Bridge does for a TP/PP
+  change: a new layout draws new per-rank RNG streams) and says so.
+
+Each upstream spot is matched by content (``check_targets``; tests/test_parallel_cpu.py checks them on every
+stack).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from bridge_ext.stack import missing_snippets, package_of
+
+__all__ = ["check_targets", "install", "prepare"]
+
+# Upstream code this module relies on, by content.
+_TARGETS: dict[str, tuple[str, ...]] = {
+    # the common (non-tensor) state is the base the loaded tensors are merged into
+    "megatron.core.dist_checkpointing.serialization": (
+        "common_state_dict = common_strategy.load_common(checkpoint_dir)",
+        "merge(common_state_dict, loaded_state_dict)",
+    ),
+    # Megatron Bridge loads through the package attribute; rng_state's sharding follows EP; the check is TP/PP
+    "megatron.bridge.training.checkpointing": (
+        "state_dict = dist_checkpointing.load(",
+        "if ep_size > 1:",
+        "(TP, PP) mismatch after resume",
+        "and cfg.checkpoint.load_rng",
+    ),
+    # EP>1 gives the expert weights their own optimizer member / param groups
+    "megatron.core.optimizer.muon": ("if group['is_expert_parallel']:",),
+    "megatron.core.optimizer": ("is_expert_parallel = not getattr(param, 'allreduce', True)",),
+}
+
+def check_targets() -> list[str]:
+    """What no longer matches upstream: one line per missing snippet; empty when everything fits."""
+    return [f"{package_of(module)}: {module} no longer contains {code!r} (relayout)"
+            for module, snippets in _TARGETS.items() for code in missing_snippets(module, snippets)]
+
+
+def _param_group_shape(tree: Any, path: tuple = ()) -> list[tuple[tuple, int]]:
+    """(path, length) of every ``param_groups`` list in an optimizer state tree: its structure."""
+    out: list[tuple[tuple, int]] = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                out.append(((*path, key), len(value)))
+            else:
+                out += _param_group_shape(value, (*path, key))
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            out += _param_group_shape(value, (*path, index))
+    return sorted(out, key=repr)
+
+
+def _torch_optimizer_states(tree: Any) -> list[dict]:
+    """Every torch optimizer state dict (``{'state', 'param_groups'}``; a common part may lack ``state``) inside
+    a (chained) optimizer tree."""
+    if isinstance(tree, dict):
+        if "param_groups" in tree:
+            return [tree]
+        return [found for value in tree.values() for found in _torch_optimizer_states(value)]
+    if isinstance(tree, list):
+        return [found for value in tree for found in _torch_optimizer_states(value)]
+    return []
+
+
+class _CommonWithOptimizer:
+    """A load-common strategy whose ``load_common`` returns the checkpoint's common state with ``optimizer``
+    replaced by the loading layout's own (what this layout would have saved there), step carried over."""
+
+    def __init__(self, inner: Any, optimizer: Any):
+        self._inner, self._optimizer = inner, optimizer
+
+    def load_common(self, checkpoint_dir: Any) -> Any:
+        common = self._inner.load_common(checkpoint_dir)
+        common["optimizer"] = self._optimizer
+        return common
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _load(original: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+    """``dist_checkpointing.load`` that loads the optimizer state into the loading layout's structure."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.validation import verify_checkpoint_and_load_strategy
+
+    requested = sharded_state_dict.get("optimizer") if isinstance(sharded_state_dict, dict) else None
+    if requested is None or len(args) > 1 or kwargs.get("common_strategy") is not None:
+        return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    saved = dist_checkpointing.load_common_state_dict(checkpoint_dir).get("optimizer")
+    if saved is None or _param_group_shape(saved) == _param_group_shape(requested):
+        return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    # What this layout saves in common.pt for its optimizer (dist_checkpointing's save_preprocess: everything
+    # but sharded tensors, factories and non-persistent objects); the tensors load by key as usual.
+    _, rebuilt = extract_matching_values(
+        requested, lambda v: isinstance(v, (ShardedBase, ShardedTensorFactory, LocalNonpersistentObject)))
+    steps = [s["state"]["common_step"] for s in _torch_optimizer_states(saved)
+             if isinstance(s.get("state"), dict) and "common_step" in s["state"]]
+    if steps:  # Adam's step (the same in every chained member: ChainedOptimizer._synchronize_steps)
+        for state in _torch_optimizer_states(rebuilt):
+            if any("betas" in group for group in state["param_groups"]):
+                if not isinstance(state.get("state"), dict):
+                    state["state"] = {}
+                state["state"]["common_step"] = steps[0]
+    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    kwargs["common_strategy"] = _CommonWithOptimizer(common_strategy, rebuilt)
+    return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+
+def install() -> None:
+    """Make ``megatron.core.dist_checkpointing.load`` reshard the optimizer across expert-parallel sizes.
+
+    Idempotent; only changes loads whose saved optimizer structure differs from the loading one (every
+    other load goes to upstream's function unchanged).
+    """
+    from megatron.core import dist_checkpointing
+
+    if getattr(dist_checkpointing.load, "_bridge_ext_relayout", False):
+        return
+    wrapped = functools.partial(_load, dist_checkpointing.load)
+    load = functools.update_wrapper(lambda *a, **k: wrapped(*a, **k), dist_checkpointing.load)
+    load._bridge_ext_relayout = True  # type: ignore[attr-defined]
+    dist_checkpointing.load = load
+
+
+def _rng_sharding(model: dict, data_parallel_size: int | None) -> tuple:
+    """How Megatron Bridge shards ``rng_state`` (``checkpointing.py``'s ``get_rng_state``)."""
+    tp, pp = model.get("tensor_model_parallel_size", 1), model.get("pipeline_model_parallel_size", 1)
+    if (model.get("expert_model_parallel_size") or 1) > 1:
+        return ("pp", pp, "tp", tp, "dp", data_parallel_size)
+    return ("pp", pp, "tp", tp)
+
+
+def prepare(cfg: Any, *, world_size: int) -> str | None:
+    """Before a resume: RNG state off when its sharding changed with the expert-parallel layout; the note.
+
+    Reads the ``run_config.yaml`` of the iteration ``checkpoint.load`` resumes (``ckpt_step`` or the tracker).
+    """
+    import yaml
+
+    from bridge_ext.checkpoints import iteration_dir, read_tracker
+
+    ckpt = cfg.checkpoint
+    if not ckpt.load or not ckpt.load_rng or ckpt.finetune:
+        return None
+    iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(ckpt.load)[0]
+    run_config = iteration_dir(ckpt.load, iteration) / "run_config.yaml" if iteration is not None else None
+    if run_config is None or not Path(run_config).is_file():
+        return None
+    saved = yaml.safe_load(Path(run_config).read_text()) or {}
+    m = cfg.model
+    run_model = {"tensor_model_parallel_size": m.tensor_model_parallel_size,
+                 "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+                 "expert_model_parallel_size": m.expert_model_parallel_size}
+    run_dp = world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
+    saved_model = saved.get("model") or {}
+    saved_dp = (saved.get("dataset") or {}).get("data_parallel_size")
+    before, now = _rng_sharding(saved_model, saved_dp), _rng_sharding(run_model, run_dp)
+    if before == now or (saved_model.get("expert_model_parallel_size") or 1) == 1 == m.expert_model_parallel_size:
+        return None  # the same sharding, or a TP/PP change Megatron Bridge already handles
+    ckpt.load_rng = False
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    return (f"resuming {ckpt.load} (EP{saved_model.get('expert_model_parallel_size') or 1}, DP{saved_dp}) as "
+            f"EP{m.expert_model_parallel_size}, DP{run_dp}: the RNG state is sharded by that layout and is not "
+            "loaded (new per-rank RNG streams, as for a TP/PP change)")
