@@ -102,12 +102,13 @@ class FinetuneRecipe(Recipe):
 
 
 def _finetune_layout(layout: Layout) -> Layout:
-    """Megatron Bridge's packed SFT batch (8 packs of 2048 tokens), at least one micro-batch per DP rank."""
-    step = layout.micro_batch_size * max(layout.dp, 1)
-    gbs = -(-SFT_PACKS_PER_BATCH // step) * step
-    return replace(layout, seq_length=SFT_SEQ_LENGTH, global_batch_size=gbs,
+    """Megatron Bridge's packed SFT batch (8 packs of 2048 tokens, micro-batch 1), at least one pack per DP rank."""
+    dp = max(layout.dp, 1)
+    gbs = -(-SFT_PACKS_PER_BATCH // dp) * dp
+    return replace(layout, seq_length=SFT_SEQ_LENGTH, global_batch_size=gbs, micro_batch_size=1,
                    why=f"{layout.why}; fine-tuning: Megatron Bridge's packed SFT batch ({SFT_PACKS_PER_BATCH} packs "
-                       f"of {SFT_SEQ_LENGTH} tokens, rounded up to one micro-batch per data-parallel rank)")
+                       f"of {SFT_SEQ_LENGTH} tokens, micro-batch 1 as packing requires, at least one pack per "
+                       "data-parallel rank)")
 
 
 # Proxies: 40 iterations on the shipped instruction set (docs/finetune.md), an eval every 10 on the held-out
@@ -154,8 +155,9 @@ FINETUNE_RECIPES: dict[str, FinetuneRecipe] = _compose()
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
     """The fine-tuning recipe called ``name``; a ``UserError`` naming the closest one otherwise."""
     if name not in FINETUNE_RECIPES:
-        hint = " (a pre-training recipe: use `nemo llm pretrain`)" if not name.count("_sft_") + name.count("_lora_") \
-            else ""
-        raise UserError(f"unknown fine-tuning recipe '{name}'{closest(name, FINETUNE_RECIPES) or hint}; "
-                        "`nemo llm finetune --list` lists them")
+        from recipes import RECIPES
+
+        hint = (f" ({name} pre-trains; its fine-tuning recipes are {name.rsplit('_', 1)[0]}_sft_* and _lora_*)"
+                if name in RECIPES else closest(name, FINETUNE_RECIPES))
+        raise UserError(f"unknown fine-tuning recipe '{name}'{hint}; `nemo llm finetune --list` lists them")
     return FINETUNE_RECIPES[name]

@@ -159,15 +159,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if not args.recipe:
         raise UserError("--recipe is required (`nemo llm finetune --list` lists the fine-tuning recipes)")
     _split_part_selectors(args)
+    from recipes.finetune import get_finetune_recipe
+
+    get_finetune_recipe(args.recipe)  # an unknown name first: the cheapest check
     if args.to_yaml and Path(args.to_yaml).exists() and not args.overwrite:
         raise UserError(f"{args.to_yaml} exists; pass --overwrite to replace it")
     training = not (args.dryrun or args.to_yaml)
-    builtin = None
     if args.data:
         from bridge_ext.finetune.instructions import BUILTIN_SETS
 
-        builtin = BUILTIN_SETS.get(args.data)
-        if builtin is None:
+        if args.data not in BUILTIN_SETS:
             from bridge_ext.finetune.data import load_records
 
             load_records(args.data)  # a bad file is refused before anything slow or written
@@ -211,8 +212,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         cfg.checkpoint.pretrained_checkpoint = pretrained
     if not pretrained and not cfg.checkpoint.load:
         raise UserError("fine-tuning starts from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR or --hf DIR")
-    data = builtin(_cache()) if builtin else Path(args.data)
-    return run_finetune(recipe, cfg, data=data, device=args.device)
+    run_finetune(recipe, cfg, data=args.data, device=args.device)
+    return 0
 
 
 def _cache() -> Path:
@@ -221,17 +222,21 @@ def _cache() -> Path:
     return cache_root()
 
 
-def run_finetune(recipe: Any, cfg: Any, *, data: Path, device: str = "auto", callbacks: list[Any] = (),
+def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto", callbacks: list[Any] = (),
                  quiet: bool = False) -> Path:
-    """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory."""
+    """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory.
+
+    ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``)."""
     from bridge_ext import training
     from bridge_ext.finetune.data import prepare_sft_data
+    from bridge_ext.finetune.instructions import BUILTIN_SETS
 
     say = print if _is_rank_zero() and not quiet else (lambda *a, **k: None)
     pretrained = cfg.checkpoint.pretrained_checkpoint
     ckpt = Path(str(pretrained)) if pretrained else None
     iter_dir = _check_architecture(recipe, cfg, ckpt) if ckpt else None
     tokenizer = _tokenizer_dir(recipe, cfg, ckpt or Path(str(cfg.checkpoint.load)), iter_dir or Path("."))
+    data = BUILTIN_SETS[str(data)](_cache()) if str(data) in BUILTIN_SETS else Path(data)
     prepared_data = prepare_sft_data(data, tokenizer, cache=_cache())
     cfg.dataset.dataset_root = str(prepared_data.root)
     cfg.tokenizer.tokenizer_model = str(tokenizer)

@@ -30,15 +30,19 @@ def merged_state_dict(chunk: Any) -> dict[str, Any]:
         for name, module in chunk.named_modules():
             if isinstance(module, LoRALinear) and hasattr(module.to_wrap, "weight"):
                 adapter = module.adapter
-                merged[f"{name}.to_wrap.weight"] = merge.merge(
-                    module.to_wrap.weight, adapter.linear_out.weight, adapter.linear_in.weight, adapter.alpha,
-                    adapter.dim).detach().clone()
-        state = {}
+                weight = merge.merge(module.to_wrap.weight, adapter.linear_out.weight, adapter.linear_in.weight,
+                                     adapter.alpha, adapter.dim).detach().clone()
+                # AdapterWrapper's state_dict names the base weight without ``to_wrap`` (checkpoint-compatible)
+                merged[f"{name}.weight"] = merged[f"{name}.to_wrap.weight"] = weight
+        state, used = {}, 0
         for key, value in chunk.state_dict().items():
             if ".adapter." in key:
                 continue
-            value = merged.get(key, value)
+            if key in merged:
+                value, used = merged[key], used + 1
             state[key.replace(".to_wrap.", ".")] = value
+    if used != len(merged) // 2:
+        raise RuntimeError(f"merged {used} of {len(merged) // 2} LoRA weights into the state dict")
     return state
 
 

@@ -1,0 +1,300 @@
+"""Fine-tuning: recipes, ``nemo llm finetune`` input checks, the loss mask, and real SFT / LoRA runs on the proxies.
+
+Expected values come from outside the code under test: Megatron Bridge's published template numbers typed in,
+token ids of hand-written rendered strings from the HF tokenizer, transformers' forward pass on the export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge_ext import cli
+from bridge_ext.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+PROXY_TOKENIZER = ROOT / "recipes" / "tokenizer"
+
+
+def nemo_llm(argv: list[str]) -> int:
+    return cli.main(["llm", *argv])
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+@pytest.mark.once
+def test_every_model_has_sft_and_lora_recipes_with_adamw_twins():
+    from recipes.finetune import FINETUNE_RECIPES
+    from recipes.models import MODELS
+
+    assert len(FINETUNE_RECIPES) == 4 * len(MODELS)
+    for model in MODELS:
+        for mode in ("sft", "lora"):
+            muon, adamw = FINETUNE_RECIPES[f"{model}_{mode}_muon"], FINETUNE_RECIPES[f"{model}_{mode}_adamw"]
+            assert (muon.preset.kind, adamw.preset.kind) == ("muon", "adamw")
+            assert muon.twin == adamw.name and adamw.twin == muon.name and muon.mode == adamw.mode == mode
+            assert muon.base == f"{model}_muon" and muon.model is adamw.model
+            for key in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2"):
+                assert muon.preset.optimizer[key] == adamw.preset.optimizer[key], key
+            assert dict(muon.preset.scheduler) == dict(adamw.preset.scheduler)
+    # Megatron Bridge 0.3's _sft_common / _peft_common: lr 5e-6 (SFT) / 1e-4 (LoRA) -> 0, 50 warm-up, beta2 0.98
+    sft, lora = FINETUNE_RECIPES["qwen3_8b_sft_muon"].preset, FINETUNE_RECIPES["qwen3_8b_lora_muon"].preset
+    assert (sft.optimizer["lr"], lora.optimizer["lr"], sft.optimizer["min_lr"]) == (5e-6, 1e-4, 0.0)
+    assert (sft.scheduler["lr_warmup_iters"], sft.scheduler["lr_decay_style"], sft.optimizer["adam_beta2"]) == (
+        50, "cosine", 0.98)
+    # Muon as in pre-training (Moonlight): scale 0.2 * sqrt(max(A, B)), Nesterov 0.95, Q/K/V and gate/up apart
+    assert (sft.optimizer["muon_extra_scale_factor"], sft.optimizer["muon_momentum"]) == (0.2, 0.95)
+    assert sft.optimizer["muon_split_qkv"] and sft.split_gate_up
+    # LoRA: the low-rank factors are orthogonalized whole
+    assert not lora.optimizer["muon_split_qkv"] and not lora.split_gate_up
+    kimi = FINETUNE_RECIPES["kimi_k2_sft_muon"].preset
+    assert kimi.model["qk_clip"] and kimi.model["qk_clip_threshold"] == 100.0 and not kimi.schedule_fractions
+    assert not FINETUNE_RECIPES["kimi_k2_sft_adamw"].preset.model  # QK-clip belongs to MuonClip
+    assert FINETUNE_RECIPES["qwen3_8b_lora_muon"].lora["dim"] == 32
+    layout = FINETUNE_RECIPES["kimi_k2_sft_muon"].layout()
+    assert (layout.seq_length, layout.global_batch_size, layout.micro_batch_size) == (2048, 64, 1)  # a pack per DP rank
+
+
+@pytest.mark.once
+def test_unknown_finetune_recipe_names_the_closest(capsys):
+    assert nemo_llm(["finetune", "--recipe", "qwen3_8b_sft_moun", "--data", "x.jsonl", "--dryrun"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: unknown fine-tuning recipe 'qwen3_8b_sft_moun' (did you mean 'qwen3_8b_sft_muon'?); "
+        "`nemo llm finetune --list` lists them")
+
+
+# --------------------------------------------------------------------------------------------- bad input
+@pytest.mark.once
+@pytest.mark.parametrize("rows, message", [
+    (None, "does not exist"),
+    ([], "is empty"),
+    ([{"input": "a", "output": "b"}, '{"input": "a", "output": '], "line 2 is not valid JSON"),
+    ([{"input": "a", "output": "b"}, {"input": "a", "out": "b"}], "line 2 has keys input, out; each record needs"),
+    ([{"messages": [{"role": "user", "content": "q"}]}], "line 1: the last message must be the assistant's"),
+    ([{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}], "message 0 needs"),
+])
+def test_bad_data_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, rows, message):
+    monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data.jsonl"
+    if rows is not None:
+        write_jsonl(data, rows)
+    assert nemo_llm(["finetune", "--recipe", "qwen3_proxy_sft_muon", "--data", str(data),
+                     "checkpoint.pretrained_checkpoint=."]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["data.jsonl"] if rows is not None else [])
+
+
+@pytest.mark.once
+def test_tokenizer_without_chat_template_is_refused_before_writing(tmp_path):
+    from bridge_ext.finetune.data import prepare_sft_data
+
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(PROXY_TOKENIZER, tokenizer, ignore=shutil.ignore_patterns("chat_template*"))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input": "q", "output": "a"}] * 3)
+    with pytest.raises(UserError, match="has no chat template"):
+        prepare_sft_data(data, tokenizer, cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.once
+def test_shipped_instruction_set_pairs_docstrings_with_signatures():
+    import ast
+
+    from bridge_ext.finetune.instructions import instruction_records
+
+    records = instruction_records(50)
+    assert len(records) == 50 and len({r["input"] for r in records}) == 50
+    for record in records:
+        tree = ast.parse(record["output"] + " pass")  # a valid function header
+        assert isinstance(tree.body[0], ast.FunctionDef) and not tree.body[0].name.startswith("_")
+        assert record["input"].startswith("Write the signature of the Python function documented as: ")
+
+
+# ------------------------------------------------------------------------------------------- loss mask
+def test_loss_mask_covers_only_the_last_answer(tmp_path):
+    """Megatron Bridge's own SFT dataset over our rendered file: prompt tokens (earlier turns too) carry no loss."""
+    from transformers import AutoTokenizer
+
+    from bridge_ext.finetune.data import prepare_sft_data, sft_dataset_kwargs
+    from bridge_ext.te_guard import install_te_import_guard
+
+    install_te_import_guard()
+    from megatron.bridge.data.datasets.sft import create_sft_dataset
+    from megatron.bridge.training.config import TokenizerConfig
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "2"}, {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "3"}]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input": "Add two numbers.", "output": "def add(a, b):"},
+                                              {"messages": chat}, {"input": "held", "output": "out"}])
+    sft = prepare_sft_data(data, PROXY_TOKENIZER, cache=tmp_path / "cache")
+    assert (sft.train, sft.validation) == (2, 1)
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
+                                                tokenizer_model=str(PROXY_TOKENIZER)))
+    dataset = create_sft_dataset(sft.root / "training.jsonl", tokenizer=tokenizer, seq_length=128, memmap_workers=1,
+                                 **sft_dataset_kwargs())
+    hf = AutoTokenizer.from_pretrained(str(PROXY_TOKENIZER))
+    eos = hf.convert_tokens_to_ids("<|endoftext|>")
+    expected = [  # the proxy template written out by hand: <|role|>\ncontent\n per turn
+        ("<|user|>\nAdd two numbers.\n<|assistant|>\n", "def add(a, b):\n"),
+        ("<|system|>\nBe brief.\n<|user|>\nName a prime.\n<|assistant|>\n2\n<|user|>\nAnother?\n<|assistant|>\n", "3\n"),
+    ]
+    for index, (prompt, answer) in enumerate(expected):
+        p, a = hf.encode(prompt, add_special_tokens=False), hf.encode(answer, add_special_tokens=False)
+        batch = dataset.collate_fn([dataset[index]])
+        n = len(p) + len(a)  # tokens = all but the last id; labels = all but the first
+        assert batch["tokens"][0, :n].tolist() == p + a
+        assert batch["labels"][0, :n].tolist() == p[1:] + a + [eos]
+        assert batch["loss_mask"][0].tolist() == [0] * (len(p) - 1) + [1] * (len(a) + 1) + [0] * (
+            batch["loss_mask"].shape[1] - n)
+
+
+# ------------------------------------------------------------------------------------- dry run (full model)
+@pytest.mark.parametrize("recipe, shown", [
+    ("qwen3_8b_sft_muon", ["finetune    sft: full fine-tuning", "packed into 2048-token sequences",
+                           "dist_muon lr=5e-06 min_lr=0.0", "TP4 PP1", "global 8, micro 1, seq 2048"]),
+    ("kimi_k2_lora_muon", ["finetune    lora: LoRA dim 32 alpha 32", "qk-clip     threshold 100.0",
+                           "lr=0.0001", "EP64 ETP1 CP1 DP64 on 256 GPUs", "global 64, micro 1, seq 2048"]),
+])
+def test_dryrun_validates_the_full_config(tmp_path, capsys, recipe, shown):
+    data = write_jsonl(tmp_path / "x.jsonl", [{"input": "q", "output": "a"}])
+    assert nemo_llm(["finetune", "--recipe", recipe, "--data", str(data), "--dryrun"]) == 0
+    out = capsys.readouterr().out
+    summary, resolved = out.split("---\n", 1)
+    for text in shown:
+        assert text in summary, (text, summary)
+    assert "megatron.bridge.training.config.FinetuningDatasetConfig" in resolved
+    assert ("megatron.bridge.peft.lora.LoRA" in resolved) == ("lora" in recipe)
+
+
+# ------------------------------------------------------------------------------------ training (CPU proxies)
+def _run(argv: list[str], *, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "bridge_ext.cli", "llm", *argv], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def proxy_ckpt(tmp_path_factory):
+    """A Qwen3 proxy pre-trained by its own recipe (10 iterations): what the proxies fine-tune."""
+    work = tmp_path_factory.mktemp("pretrain")
+    _run(["pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={work}/q", f"checkpoint.load={work}/q",
+          "train.train_iters=10", "checkpoint.save_interval=10"], cwd=work)
+    return work / "q"
+
+
+@pytest.mark.slow
+def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
+    from bridge_ext.finetune.command import read_eval
+    from bridge_ext.training import read_losses
+
+    run = tmp_path / "sft"
+    argv = ["finetune", "--recipe", "qwen3_proxy_sft_muon", "--data", "stdlib-signatures",
+            f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={run}", f"checkpoint.load={run}",
+            "train.train_iters=20", "checkpoint.save_interval=10", "train.eval_interval=10"]
+    result = _run(argv, cwd=tmp_path)
+    assert "eval loss (held-out)" in result.stdout
+    evals = read_eval(run / "eval.jsonl")  # iteration 10, 20, then the final pass (20 again: same 64 records)
+    assert list(evals) == [10, 20] and evals[20] < evals[10] - 0.05, evals
+    first = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert first[-1]["eval_loss"] == first[-2]["eval_loss"]  # each pass covers the same held-out records
+    losses = read_losses(run / "losses.jsonl")
+    # resume from iteration 10 of a copy: iterations 11-20 and the final eval loss are bit-identical
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("iter_0000020", "*.jsonl", "latest_train_state.pt"))
+    (resumed / "latest_checkpointed_iteration.txt").write_text("10")
+    _run([*argv[:-4], f"checkpoint.save={resumed}", f"checkpoint.load={resumed}", *argv[-3:]], cwd=tmp_path)
+    again = read_losses(resumed / "losses.jsonl")
+    assert list(again) == list(range(11, 21))
+    assert again == {i: losses[i] for i in range(11, 21)}
+    assert read_eval(resumed / "eval.jsonl")[20] == evals[20]
+
+
+@pytest.mark.slow
+def test_wrong_architecture_checkpoint_is_one_line(proxy_ckpt, tmp_path, capsys):
+    assert nemo_llm(["finetune", "--recipe", "kimi_k2_proxy_sft_muon", "--data", "stdlib-signatures",
+                     f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={tmp_path}/k"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # (torch warns at import)
+    assert len(err) == 1 and not (tmp_path / "k").exists()
+    assert err[0].startswith(f"error: checkpoint {proxy_ckpt} holds another model than kimi_k2_proxy_sft_muon's")
+    assert "multi_latent_attention False (recipe: True)" in err[0]
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt, tmp_path, monkeypatch):
+    """LoRA (Muon over the adapters): base weights bit-identical, adapters changed; the merged export loads in
+    transformers and its logits equal the Megatron model's (base + adapters, unmerged) on the same tokens."""
+    import argparse
+
+    import torch
+    from megatron.bridge.training.callbacks import Callback
+    from transformers import AutoModelForCausalLM
+
+    from bridge_ext.convert import export_hf
+    from bridge_ext.cpu_mode import reset_megatron_globals
+    from bridge_ext.finetune.command import resolve_finetune, run_finetune
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "lora"
+    args = argparse.Namespace(recipe="qwen3_proxy_lora_muon", preset=None, layout=None, yaml=None, dryrun=False,
+                              to_yaml=None, overrides=[
+                                  f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={run}",
+                                  f"checkpoint.load={run}", "train.train_iters=6", "train.eval_interval=1000"])
+    recipe, _, cfg, _ = resolve_finetune(args)
+    ids = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(7))
+
+    class Probe(Callback):
+        def on_train_start(self, context):
+            (chunk,) = [m.module if hasattr(m, "module") else m for m in context.model]
+            self.before = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+
+        def on_train_end(self, context):
+            (chunk,) = [m.module if hasattr(m, "module") else m for m in context.model]
+            self.after = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+            self.trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+            chunk.eval()
+            with torch.no_grad():
+                positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+                self.logits = chunk(input_ids=ids, position_ids=positions, attention_mask=None).float()
+                outs = [m.linear_out.weight for n, m in chunk.named_modules() if n.endswith(".adapter")]
+                saved = [w.clone() for w in outs]
+                for w in outs:  # the base model alone: adapters' B = 0
+                    w.zero_()
+                self.base_logits = chunk(input_ids=ids, position_ids=positions, attention_mask=None).float()
+                for w, value in zip(outs, saved):
+                    w.copy_(value)
+            chunk.train()
+
+    probe = Probe()
+    reset_megatron_globals()
+    try:
+        run_finetune(recipe, cfg, data="stdlib-signatures", callbacks=[probe], quiet=True)
+    finally:
+        reset_megatron_globals()
+    adapters = {n for n in probe.before if ".adapter." in n}
+    assert adapters and probe.trainable == adapters  # only the A and B matrices train
+    assert all(torch.equal(probe.before[n], probe.after[n]) for n in probe.before if n not in adapters)
+    changed = [n for n in adapters if not torch.equal(probe.before[n], probe.after[n])]
+    assert len(changed) == len(adapters)  # B starts at zero, A moves once B does: both change in 6 steps
+    out = tmp_path / "hf"
+    export_hf(run / "merged", out, progress=False, console=None)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = hf(input_ids=ids).logits.float()
+    assert (probe.logits[..., :4096] - hf_logits).abs().max().item() < 1e-4
+    assert (probe.base_logits - probe.logits).abs().max().item() > 1e-3  # the adapters matter: the merge is real
