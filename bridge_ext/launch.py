@@ -201,7 +201,7 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
         print(f"config: {config_file} (the resolved, validated YAML; `--to-yaml` writes the same)", file=sys.stderr)
         if args.executor == "local":  # the local run's logs next to its config
             set_nemorun_home(str(job_dir))
-    state, script = None, None
+    state, script, local = None, None, None
     import contextlib
 
     # NeMo-Run's console reports on stdout; a dry run's stdout is the script alone
@@ -217,7 +217,9 @@ def launch(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], 
                 exp.run(detach=True)
             else:
                 exp.run(sequential=True, detach=False, tail_logs=True)
-                state = exp.status(return_dict=True)
+                local = job  # the experiment waits for it when the block ends
+        if local is not None:
+            state = local.state  # what torchx reported when the processes ended (Experiment.status: UNKNOWN locally)
     finally:
         set_nemorun_home(home)
         if temporary:
@@ -253,11 +255,11 @@ def _dryrun_text(job: Any, executor: str) -> str:
 
 
 def _exit_code(state: Any) -> int:
-    if not state:
+    """0 when the local run succeeded (or a Slurm job was submitted), 1 otherwise."""
+    if state is None:
         return 0
-    for info in state.values():
-        status = str(info.get("status", "")).upper() if isinstance(info, dict) else ""
-        if status and "SUCCEEDED" not in status:
-            print(f"error: the NeMo-Run job ended {status}", file=sys.stderr)
-            return 1
+    name = getattr(state, "name", str(state))
+    if name != "SUCCEEDED":
+        print(f"error: the NeMo-Run job ended {name}", file=sys.stderr)
+        return 1
     return 0

@@ -79,3 +79,27 @@ def test_gb300_layouts_default_to_nvl72_trays():
     from bridge_ext.launch import gpus_per_node
 
     assert gpus_per_node("gb300x256") == 4 and gpus_per_node("gb300x8") == 4 and gpus_per_node("h100x512") == 8
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_local_executor_trains_a_proxy_with_two_processes(tmp_path):
+    """NeMo-Run's LocalExecutor + torchrun: the Qwen3 proxy on `cpu-dp2` (2 CPU processes, gloo) trains 2
+    iterations from the YAML `--to-yaml` writes for the same command line, and saves."""
+    job_dir, ckpt = tmp_path / "jobs", tmp_path / "ckpt"
+    overrides = ["train.train_iters=2", "logger.log_interval=1", "checkpoint.save_interval=2",
+                 f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"]
+    run = subprocess.run([sys.executable, "-m", "bridge_ext.cli", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
+                          "--layout", "cpu-dp2", "--executor", "local", "--job-dir", str(job_dir), *overrides],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "[default0]" in out and "[default1]" in out  # torchrun's two ranks
+    assert re.search(r"iteration\s+2/\s+2 \|", out)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    (config,) = (job_dir / "configs").iterdir()
+    to_yaml = tmp_path / "resolved.yaml"
+    assert main(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--layout", "cpu-dp2", "--to-yaml", str(to_yaml),
+                 *overrides]) == 0
+    assert config.read_text() == to_yaml.read_text()  # what ran is what was validated

@@ -2,8 +2,8 @@
 
 ``megatron.bridge.training.utils.flop_utils.num_floating_point_operations(cfg, batch_size)`` is what makes
 the TFLOP/s that Megatron Bridge logs (and NVIDIA's benchmark reports). Importing that module imports torch,
-Megatron Bridge's config and its PEFT code (about 10-20 s on a small machine; ``import_cost_s`` measures it),
-so ``nemo llm plan`` runs the installed function's own source instead: the function is read from the
+Megatron Bridge's config and its PEFT code (27 s on a shared 2-core machine; ``import_cost_s`` measures
+it), so ``nemo llm plan`` runs the installed function's own source instead: the function is read from the
 installed file, compiled with its module-level names bound to plain stand-ins (``F.silu`` a marker,
 ``LoRA`` a class no config is an instance of, ``calculate_padded_vocab_size`` compiled the same way from
 ``megatron/bridge/utils/vocab_utils.py``), and called on a ``cfg.model`` holding the provider fields the
