@@ -149,18 +149,17 @@ def install() -> None:
     dist_checkpointing.load = load
 
 
-def _rng_sharding(model: dict, data_parallel_size: int | None) -> tuple:
-    """How Megatron Bridge shards ``rng_state`` (``checkpointing.py``'s ``get_rng_state``)."""
-    tp, pp = model.get("tensor_model_parallel_size", 1), model.get("pipeline_model_parallel_size", 1)
-    if (model.get("expert_model_parallel_size") or 1) > 1:
-        return ("pp", pp, "tp", tp, "dp", data_parallel_size)
-    return ("pp", pp, "tp", tp)
+def _expert_parallel(model: dict) -> int:
+    return int(model.get("expert_model_parallel_size") or 1)
 
 
 def prepare(cfg: Any, *, world_size: int) -> str | None:
-    """Before a resume: RNG state off when its sharding changed with the expert-parallel layout; the note.
+    """Before a resume: RNG state off when its sharding changed with the expert-parallel size; the note.
 
-    Reads the ``run_config.yaml`` of the iteration ``checkpoint.load`` resumes (``ckpt_step`` or the tracker).
+    Megatron Bridge shards ``rng_state`` over (PP, TP, DP) when EP > 1, else over (PP, TP), and ignores it
+    itself when TP or PP changed. Reads the ``run_config.yaml`` of the iteration ``checkpoint.load``
+    resumes (``ckpt_step`` or the tracker). A change of the data-parallel size alone under EP > 1 is left to
+    Megatron Bridge (the run config does not record the world size).
     """
     import yaml
 
@@ -173,20 +172,15 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     run_config = iteration_dir(ckpt.load, iteration) / "run_config.yaml" if iteration is not None else None
     if run_config is None or not Path(run_config).is_file():
         return None
-    saved = yaml.safe_load(Path(run_config).read_text()) or {}
+    saved = (yaml.safe_load(Path(run_config).read_text()) or {}).get("model") or {}
     m = cfg.model
-    run_model = {"tensor_model_parallel_size": m.tensor_model_parallel_size,
-                 "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
-                 "expert_model_parallel_size": m.expert_model_parallel_size}
-    run_dp = world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
-    saved_model = saved.get("model") or {}
-    saved_dp = (saved.get("dataset") or {}).get("data_parallel_size")
-    before, now = _rng_sharding(saved_model, saved_dp), _rng_sharding(run_model, run_dp)
-    if before == now or (saved_model.get("expert_model_parallel_size") or 1) == 1 == m.expert_model_parallel_size:
-        return None  # the same sharding, or a TP/PP change Megatron Bridge already handles
+    before, now = _expert_parallel(saved), m.expert_model_parallel_size or 1
+    same_tp_pp = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
+        m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
+    if before == now or (before == 1 and now == 1) or not same_tp_pp:
+        return None  # the same sharding, or a TP/PP change Megatron Bridge already handles (it says so)
     ckpt.load_rng = False
     if os.environ.get("RANK", "0") != "0":
         return None
-    return (f"resuming {ckpt.load} (EP{saved_model.get('expert_model_parallel_size') or 1}, DP{saved_dp}) as "
-            f"EP{m.expert_model_parallel_size}, DP{run_dp}: the RNG state is sharded by that layout and is not "
-            "loaded (new per-rank RNG streams, as for a TP/PP change)")
+    return (f"resuming {ckpt.load} (saved with EP{before}) with EP{now}: the RNG state is sharded by the "
+            "expert-parallel layout and is not loaded (new per-rank RNG streams, as for a TP/PP change)")

@@ -100,7 +100,7 @@ _PROXY_COMMON = {"scheduler.lr_warmup_iters": 5, "train.train_iters": 50, "train
                  "train.eval_iters": 0, "logger.log_interval": 5, "checkpoint.save_interval": 25}
 _PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only the run length "
               "(warm-up, iterations, intervals) and the learning rate (tuned per optimizer) differ; CPU mode "
-              "runs dist_muon as muon (one data-parallel rank holds every layer anyway) and trains in fp32")
+              "trains in fp32, on one process or several (layouts cpu-*)")
 
 
 def _compose() -> dict[str, Recipe]:

@@ -126,12 +126,17 @@ def _cpu_parallel(name: str, *, what: str, **sizes: Any) -> Layout:
 
 
 _CPU_DP2 = _cpu_parallel("cpu-dp2", what="data parallelism")
+# Experts split over TP too (ETP = TP, megatron-core's default): with EP1 and ETP1 megatron-core 0.16 treats the
+# experts as dense parameters and reduces their gradients over data-parallel ranks only, while under sequence
+# parallelism each TP rank's experts see only its half of the tokens (expert weights then differ from a
+# 1-process run by 1e-3 after one step; measured, tests/test_parallel_cpu.py).
 _CPU_TP2 = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence parallelism", tp=2)
+_CPU_TP2_MOE = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence parallelism, experts too", tp=2, etp=2)
 _CPU_PP2 = _cpu_parallel("cpu-pp2", what="two pipeline stages", pp=2)
 _CPU_EP2 = _cpu_parallel("cpu-ep2", what="expert parallelism over the two data-parallel ranks", ep=2)
 _CPU_TP2_EP2 = _cpu_parallel("cpu-tp2-ep2", what="TP2 x DP2 with the experts split EP2", gpus=4, tp=2, ep=2)
 _CPU_DENSE = {"cpu": _CPU, "cpu-dp2": _CPU_DP2, "cpu-tp2": _CPU_TP2, "cpu-pp2": _CPU_PP2}
-_CPU_MOE = {**_CPU_DENSE, "cpu-ep2": _CPU_EP2, "cpu-tp2-ep2": _CPU_TP2_EP2}
+_CPU_MOE = {**_CPU_DENSE, "cpu-tp2": _CPU_TP2_MOE, "cpu-ep2": _CPU_EP2, "cpu-tp2-ep2": _CPU_TP2_EP2}
 
 LAYOUTS: dict[str, dict[str, Layout]] = {
     # Kimi K2 proxy: 3 layers over 2 stages, embedding + 2 layers first, 1 layer + loss last
