@@ -1,13 +1,17 @@
 """Conversion throughput and memory on a medium synthetic model, against plain safetensors I/O.
 
     .venv/bin/python bench/convert.py [--layers 6] [--hidden 2048] [--dtype bfloat16] [--workdir /tmp]
+                                      [--nproc 2 --tp 2 | --pp 2]
 
 Builds a random Qwen3 with a few wide layers (default ~1.0 GB of bf16 weights) as an HF directory, then
 runs, each in a fresh process so that peak RSS is its own:
 
 * baseline: read every shard with ``safetensors.torch.load_file`` and write it back with ``save_file``;
 * import:   ``bridge_ext.convert.import_hf`` (HF -> Megatron torch_dist), no --verify;
-* export:   ``bridge_ext.convert.export_hf`` (Megatron -> HF).
+* export:   ``bridge_ext.convert.export_hf`` (Megatron -> HF);
+* with ``--nproc N`` and a layout (``--tp``/``--pp``): import and export again under
+  ``torchrun --standalone --nproc-per-node N`` (gloo on CPU), each rank's peak RSS reported on its own line
+  (the model is a dense Qwen3, so ``--ep`` does not apply).
 
 Prints throughput (checkpoint bytes / wall time) as a ratio to the baseline's, and peak RSS as a ratio to
 the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -92,8 +97,8 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
     return total
 
 
-def phase(name: str, hf: Path, work: Path) -> dict:
-    """Run in a child process: one phase, its wall time and peak RSS."""
+def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1) -> dict:
+    """Run in a child process (one per torchrun rank with a layout): one phase, its wall time and peak RSS."""
     if name == "baseline":
         from safetensors.torch import load_file, save_file
 
@@ -119,11 +124,14 @@ def phase(name: str, hf: Path, work: Path) -> dict:
     import megatron.bridge.training.model_load_save  # noqa: F401
 
     base = _rss_now_mb()
+    suffix = "" if tp * pp == 1 else f"-tp{tp}-pp{pp}"
     if name == "import":
-        summary = convert.import_hf(hf, work / "mg", progress=False, console=None)
+        summary = convert.import_hf(hf, work / f"mg{suffix}", tp=tp, pp=pp, progress=False, console=None)
     else:
-        summary = convert.export_hf(work / "mg", work / "out", progress=False, console=None)
-    return {"seconds": summary.seconds, "bytes": summary.bytes, "peak_mb": _peak_mb(), "base_mb": base}
+        summary = convert.export_hf(work / f"mg{suffix}", work / f"out{suffix}", tp=tp, pp=pp, progress=False,
+                                    console=None)  # fmt: skip
+    return {"seconds": summary.seconds, "bytes": summary.bytes, "peak_mb": _peak_mb(), "base_mb": base,
+            "rank": int(os.environ.get("RANK", "0"))}  # fmt: skip
 
 
 def main() -> None:
@@ -133,13 +141,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--shard-mb", type=int, default=500)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--nproc", type=int, default=1, help="also convert with this many torchrun processes")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the torchrun conversion")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the torchrun conversion")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--hf", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.phase:  # child
-        print("RESULT " + json.dumps(phase(args.phase, args.hf, args.work)))
+        print("RESULT " + json.dumps(phase(args.phase, args.hf, args.work, tp=args.tp, pp=args.pp)), flush=True)
         return
 
     work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
@@ -149,23 +160,32 @@ def main() -> None:
         print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, {args.dtype}: {total / 1e9:.3f} GB "
               f"in {len(list(hf.glob('*.safetensors')))} shards")  # fmt: skip
         results = {}
-        for name in ("baseline", "import", "export"):
+        phases = [(name, 1) for name in ("baseline", "import", "export")]
+        if args.nproc > 1:
+            phases += [(name, args.nproc) for name in ("import", "export")]
+        for name, nproc in phases:
+            launch = [sys.executable] if nproc == 1 else [str(Path(sys.executable).with_name("torchrun")),
+                                                          "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
             proc = subprocess.run(
-                [sys.executable, __file__, "--phase", name, "--hf", str(hf), "--work", str(work)],
+                [*launch, __file__, "--phase", name, "--hf", str(hf), "--work", str(work)]
+                + (["--tp", str(args.tp), "--pp", str(args.pp)] if nproc > 1 else []),
                 capture_output=True, text=True,
             )  # fmt: skip
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
+            if proc.returncode != 0 or len(lines) != nproc:
                 sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
-            results[name] = json.loads(lines[-1][len("RESULT "):])
+            for line in lines:
+                r = json.loads(line[len("RESULT "):])
+                label = name if nproc == 1 else f"{name} tp{args.tp}pp{args.pp} rank {r['rank']}"
+                results[label] = r
         base_tp = results["baseline"]["bytes"] / results["baseline"]["seconds"]
-        print(f"{'phase':<9} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
+        print(f"{'phase':<22} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
               f"{'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
         for name, r in results.items():
             tp = r["bytes"] / r["seconds"]
             above = (r["peak_mb"] - r["base_mb"]) * 2**20
             peak = r["peak_mb"] * 2**20
-            print(f"{name:<9} {r['seconds']:8.2f} {tp / 1e9:7.3f} {tp / base_tp:10.3f} {peak / 1e9:12.2f} "
+            print(f"{name:<22} {r['seconds']:8.2f} {tp / 1e9:7.3f} {tp / base_tp:10.3f} {peak / 1e9:12.2f} "
                   f"{peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)

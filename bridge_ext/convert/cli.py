@@ -32,7 +32,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def _parallel_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("distributed conversion (GPU nodes, launched with torchrun)")
+    group = parser.add_argument_group("distributed conversion (launched with torchrun; GPUs, or CPU with gloo)")
     group.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (default 1)")
     group.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size (default 1)")
     group.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (default 1)")

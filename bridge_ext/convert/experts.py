@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from bridge_ext.errors import UserError
+import re
+from typing import Any
+
+from bridge_ext.stack import expect_snippets
 
 __all__ = []
 
@@ -55,16 +58,20 @@ def _add_deepseek_sequential_expert_mappings() -> None:
 
 
 def _fix_sequential_expert_export() -> None:
-    """Export SequentialMLP experts (``local_experts.<N>``) with expert-parallel size 1.
+    """Export SequentialMLP experts (``local_experts.<N>``), with any expert-parallel size.
 
-    ``megatron/bridge/models/conversion/param_mapping.py:674-678`` (megatron-bridge 0.3.1) reads the expert
-    number from the text after ``.weight`` (grouped-GEMM names ``linear_fc1.weight<N>``); for
-    ``local_experts.<N>.linear_fc1.weight`` that text is empty and ``int('')`` raises. With one EP rank
-    there is nothing to gather: the weight is the HF expert's. (With EP > 1 upstream does not globalize
-    ``local_experts`` numbers either, ``model_bridge.py:148``; we refuse that combination.)
+    ``megatron/bridge/models/conversion/param_mapping.py:674-678`` (megatron-bridge 0.3.1, ``gather_from_ep_ranks``)
+    reads the expert number from the text after ``.weight`` (grouped-GEMM names ``linear_fc1.weight<N>``);
+    for ``local_experts.<N>.linear_fc1.weight`` that text is empty and ``int('')`` raises. With one EP rank
+    there is nothing to gather: the weight is the HF expert's. With EP > 1 each rank of the EP group holds
+    another expert at this point of the (identically ordered) export: the tensors are all-gathered with the
+    global expert numbers they belong to (set by :func:`_globalize_sequential_expert_numbers`), so every rank
+    yields every expert under its own HF name, whatever order the ranks' tasks were sorted in.
     """
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 
+    expect_snippets("megatron.bridge.models.conversion.param_mapping",
+                    ("global_expert_number = int(self.megatron_param.split(key)[-1])",), fix="sequential-expert-export")
     original = MegatronParamMapping.gather_from_ep_ranks
     if getattr(original, "_bridge_ext", False):
         return
@@ -72,9 +79,54 @@ def _fix_sequential_expert_export() -> None:
     def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
         if ".local_experts." not in self.megatron_param:
             return original(self, megatron_weights, megatron_module, hf_param_name)
-        if self.ep_size != 1:
-            raise UserError("SequentialMLP experts (no grouped GEMM) cannot be exported with --ep > 1; use --ep 1")
-        return {str(hf_param_name): megatron_weights}
+        if self.ep_size == 1:
+            return {str(hf_param_name): megatron_weights}
+        import torch
+
+        number = int(_LOCAL_EXPERT.search(self.megatron_param).group(1))  # global: see the renaming below
+        numbers: list[Any] = [None] * self.ep_size
+        torch.distributed.all_gather_object(numbers, number, group=self.ep_group)
+        gathered = [torch.empty_like(megatron_weights) for _ in range(self.ep_size)]
+        torch.distributed.all_gather(gathered, megatron_weights.contiguous(), group=self.ep_group)
+        return {_HF_EXPERT.sub(str(n), str(hf_param_name), count=1): w for n, w in zip(numbers, gathered)}
 
     gather_from_ep_ranks._bridge_ext = True  # type: ignore[attr-defined]
     MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+    _globalize_sequential_expert_numbers()
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_HF_EXPERT = re.compile(r"(?<=\.experts\.)\d+")  # model.layers.L.mlp.experts.<N>.gate_proj.weight
+
+
+def _globalize_sequential_expert_numbers() -> None:
+    """Name SequentialMLP experts by their global number under expert parallelism.
+
+    ``megatron/bridge/models/conversion/model_bridge.py`` ``_megatron_local_name_to_global`` (lines 146-166 in
+    megatron-bridge 0.3.1) turns a grouped-GEMM expert's local number (``linear_fc1.weight<N>``) into the
+    global one, but leaves ``local_experts.<N>`` alone: with ``--ep 2`` the second rank's expert 0 would be
+    loaded from, and exported as, HF expert 0 instead of ``num_experts / 2``. Here the local number becomes
+    ``experts_per_rank * ep_rank + N``, as upstream does for grouped GEMM; the module is still looked up by its
+    local name (``build_conversion_tasks`` keeps both).
+    """
+    from megatron.bridge.models.conversion import model_bridge
+    from megatron.core import parallel_state
+
+    expect_snippets("megatron.bridge.models.conversion.model_bridge",
+                    ('if ".mlp.experts.linear_fc" in param_name and get_pg_size(ep_group) > 1',),
+                    fix="sequential-expert-numbers")  # fmt: skip
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, "_bridge_ext", False):
+        return
+
+    def _megatron_local_name_to_global(models, config, param_name, vp_stage=None):
+        name = original(models, config, param_name, vp_stage)
+        match = _LOCAL_EXPERT.search(name)
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        if match is None or ep_size == 1 or ".adapter." in name:
+            return name
+        number = config.num_moe_experts // ep_size * parallel_state.get_expert_model_parallel_rank() + int(match[1])
+        return f"{name[: match.start(1)]}{number}{name[match.end(1) :]}"
+
+    _megatron_local_name_to_global._bridge_ext = True  # type: ignore[attr-defined]
+    model_bridge._megatron_local_name_to_global = _megatron_local_name_to_global

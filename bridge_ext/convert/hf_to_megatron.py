@@ -22,7 +22,7 @@ from bridge_ext.convert.hf_dir import (
 )
 from bridge_ext.convert.megatron_ckpt import find_iteration
 from bridge_ext.convert.model import _bridge_for, _build_model, _model_param_names, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed, _is_rank0
+from bridge_ext.convert.parallel import _distributed, _is_rank0, _union_over_ranks, check_layout
 from bridge_ext.convert.report import ConversionSummary, _human_bytes, _Progress, _say
 from bridge_ext.convert.staging import _check_target, _staged_output
 from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
@@ -107,8 +107,9 @@ def import_hf(
     hf, target = Path(hf), Path(out)
     _check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
     if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--verify runs in one process; drop it under torchrun and verify on one GPU (see docs)")
+        raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
     source = inspect_hf_dir(hf)
+    check_layout(source.config, tp=tp, pp=pp, ep=ep)
     summary = ConversionSummary(direction="import", out=target)
     _say(console, f"importing {SUPPORTED_ARCHITECTURES[source.architecture]} from {hf} "
                   f"({len(source.tensors)} tensors, {_human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
@@ -124,8 +125,9 @@ def import_hf(
         pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
         bridge = _bridge_for(source.config, pretrained)
         model = _build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
-        used, summary.bytes = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
-        summary.tensors = len(used)
+        used, _ = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
+        used = _union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)
+        summary.tensors, summary.bytes = len(used), sum(source.tensors[name].nbytes for name in used)
         unused = sorted(set(source.tensors) - used)
         if unused:
             summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")

@@ -32,7 +32,7 @@ from bridge_ext.convert.megatron_ckpt import (
     find_iteration,
 )
 from bridge_ext.convert.model import _bridge_for, _build_model, _ConfigSource, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed, _is_rank0
+from bridge_ext.convert.parallel import _distributed, _is_rank0, check_layout
 from bridge_ext.convert.report import ConversionSummary, _Progress, _say
 from bridge_ext.convert.staging import _check_target, _staged_output
 from bridge_ext.errors import UserError
@@ -192,6 +192,7 @@ def export_hf(
         config, architecture, raw = _config_from_dir(hf_source)
     else:
         config, architecture, raw = source.config, source.architecture, source.raw_config
+    check_layout(config, tp=tp, pp=pp, ep=ep)
     record_file = hf_source / CONVERSION_RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     declared = str(raw.get("torch_dtype") or raw.get("dtype") or record.get("dtype") or "bfloat16")

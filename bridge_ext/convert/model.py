@@ -92,14 +92,26 @@ def _build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1
     provider = bridge.to_megatron_provider(load_weights=False)
     hf = bridge.hf_pretrained  # a PreTrainedCausalLM, or a bare transformers config
     apply_config_stated_fields(provider, getattr(hf, "config", hf))
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.expert_model_parallel_size = ep
-    provider.sequence_parallel = False
     _configure_provider(provider, cpu=cpu, dtype=dtype)
+    _apply_layout(provider, tp=tp, pp=pp, ep=ep)
     provider.finalize()
     _init_parallel(tp=tp, pp=pp, ep=ep, cpu=cpu)
     return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
+
+
+def _apply_layout(provider: Any, *, tp: int, pp: int, ep: int) -> None:
+    """The conversion's ``--tp/--pp/--ep`` (checked by :func:`~bridge_ext.convert.parallel.check_layout`), set
+    last: CPU settings (``configure_for_cpu``) are for one process.
+
+    Expert tensor parallelism follows TP (Megatron's default when unset, ``TransformerConfig``), virtual
+    pipelines and sequence parallelism are off: neither changes which weights a rank holds as a whole.
+    """
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = tp
+    provider.virtual_pipeline_model_parallel_size = None
+    provider.sequence_parallel = False
 
 
 def _model_param_names(model: list[Any]) -> list[tuple[int, str]]:

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = []
+__all__ = ["check_layout"]
 
 
 def _is_rank0() -> bool:
+    """Rank 0 of the process group; before it exists (or after), torchrun's ``RANK`` (0 without torchrun)."""
     try:
         import torch.distributed as dist
 
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
     except ImportError:
-        return True
+        pass
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _world_size() -> int:
@@ -48,6 +53,17 @@ def _shared_path(make: Callable[[], str]) -> Path:
     return Path(box[0])
 
 
+def _union_over_ranks(items: set[str]) -> set[str]:
+    """The union of every rank's ``items`` (the set itself in one process)."""
+    if _world_size() == 1:
+        return items
+    import torch.distributed as dist
+
+    gathered: list[set[str] | None] = [None] * _world_size()
+    dist.all_gather_object(gathered, items)
+    return set().union(*gathered)
+
+
 @contextlib.contextmanager
 def _distributed(cpu: bool) -> Iterator[None]:
     """A process group and Megatron parallel state: world size 1 unless launched by torchrun."""
@@ -59,10 +75,11 @@ def _distributed(cpu: bool) -> Iterator[None]:
     saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     if owned:
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-            if cpu:
-                raise UserError("distributed conversion (torchrun with WORLD_SIZE > 1) needs GPUs")
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl")
+            if cpu:  # torchrun's rendezvous (MASTER_ADDR/PORT, RANK, WORLD_SIZE); gloo: collectives on CPU
+                dist.init_process_group("gloo")
+            else:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                dist.init_process_group("nccl")
         elif cpu:
             from bridge_ext.cpu_mode import init_single_process_distributed
 
@@ -95,6 +112,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def check_layout(config: Any, *, tp: int, pp: int, ep: int) -> None:
+    """Refuse a ``--tp/--pp/--ep`` layout the processes or the HF ``config``'s model cannot take, in one line.
+
+    Before any work, from torchrun's ``WORLD_SIZE``. Megatron's own checks (``TransformerConfig``,
+    ``initialize_model_parallel``) would stop later with an assertion: the experts must divide by EP, the
+    layers by PP, and the world size must be a multiple of TP x PP and of TP x EP (expert tensor parallelism
+    equals TP here).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layers = config.num_hidden_layers
+    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    if ep > 1 and not experts:
+        raise UserError(f"--ep {ep} needs a mixture-of-experts model; this one has no experts, drop --ep")
+    if experts and experts % ep:
+        raise UserError(f"--ep {ep} does not divide the model's {experts} experts; choose a divisor of {experts}")
+    if layers % pp:
+        raise UserError(f"--pp {pp} does not divide the model's {layers} layers; choose a divisor of {layers}")
+    launch = f"torchrun --nproc-per-node {math.lcm(tp * pp, tp * ep)}"
+    for name, size in (("TP x PP", tp * pp), ("TP x EP", tp * ep)):
+        if world_size % size:
+            raise UserError(f"--tp {tp} --pp {pp} --ep {ep} needs a multiple of {size} ({name}) processes, this run has "
+                            f"{world_size}; launch it with `{launch} $(which nemo) llm ...` or lower the sizes")
+
+
 def _init_parallel(*, tp: int, pp: int, ep: int, cpu: bool) -> None:
     import torch
     from megatron.core import parallel_state
@@ -102,8 +143,9 @@ def _init_parallel(*, tp: int, pp: int, ep: int, cpu: bool) -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
-        )
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
+        )  # fmt: skip
     if not cpu:
         model_parallel_cuda_manual_seed(0)
     else:

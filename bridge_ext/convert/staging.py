@@ -60,6 +60,7 @@ def _staged_output(target: Path) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(staging, target)
+        _barrier()  # and every rank returns with the output in place (e.g. to export it next)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

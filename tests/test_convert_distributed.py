@@ -1,0 +1,153 @@
+"""``torchrun --nproc-per-node 2 $(which nemo) llm import|export --tp/--pp/--ep 2`` on CPU (gloo) against the
+one-process conversion of the same model, bit for bit.
+
+The reference is the one-process ``import_hf`` / ``export_hf`` in this process; the two-process conversions run
+in one torchrun launch (``tests/convert_rank_driver.py``: each command through the ``nemo`` entry point; the
+first one makes its process group from torchrun's environment exactly as ``torchrun ... nemo`` does). Compared:
+every tensor of the torch_dist checkpoint after import (torch_dist stores global tensors, so a TP/PP/EP import
+must write the same bytes as a one-process one), every tensor of the exported safetensors, ``config.json``.
+
+Cases: the Kimi K2 proxy (MLA, sigmoid router with expert bias, shared expert, a dense first layer, 8 experts)
+imported and exported with EP2 and with TP2; the Qwen3-MoE proxy with PP2 and EP2. What each catches: EP2
+without global SequentialMLP expert numbers loads the second rank's experts from HF experts 0-3 and exports
+them under those names; TP2 with gloo's scatter of strided views scrambles row-parallel weights
+(``linear_proj``, ``linear_fc2``); PP2 must broadcast each stage's layers for export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_fixtures
+from bridge_ext.convert import export_hf, import_hf
+from bridge_ext.errors import UserError
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")  # the venv under test
+DRIVER = REPO / "tests" / "convert_rank_driver.py"
+PROXIES = ("kimi_k2_proxy", "qwen3_moe_proxy")
+CASES = [("kimi_k2_proxy", "ep2"), ("kimi_k2_proxy", "tp2"), ("qwen3_moe_proxy", "pp2"), ("qwen3_moe_proxy", "ep2")]
+FLAGS = {"tp2": "--tp 2", "pp2": "--pp 2", "ep2": "--ep 2"}
+BAD = {  # command -> the one line each rank prints (exit code 2, nothing written)
+    "pp2_on_3_layers": ("import --hf {kimi_k2_proxy} --out {root}/bad_pp --pp 2",
+                        "error: --pp 2 does not divide the model's 3 layers; choose a divisor of 3"),
+    "tp2_ep2_on_2": ("export --ckpt {root}/kimi_k2_proxy/mg1 --out {root}/bad_tpep --tp 2 --ep 2",
+                     "error: --tp 2 --pp 1 --ep 2 needs a multiple of 4 (TP x EP) processes, this run has 2; "
+                     "launch it with `torchrun --nproc-per-node 4 $(which nemo) llm ...` or lower the sizes"),
+}  # fmt: skip
+
+
+def load_safetensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def load_torch_dist(iter_dir: Path, scratch: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, as global tensors (torch's own DCP -> torch.save converter)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = scratch / f"{iter_dir.parent.name}.pt"
+    dcp_to_torch_save(str(iter_dir), str(target))
+    state = torch.load(target, weights_only=False)
+    target.unlink()
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def assert_bit_identical(got: dict, want: dict) -> None:
+    import torch
+
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
+        assert got[key].reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), key
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """HF dirs of both proxies, their one-process import + export, and one torchrun launch of the rest."""
+    from recipes.models import HF_CONFIGS
+
+    root = tmp_path_factory.mktemp("distributed")
+    paths: dict = {"root": root}
+    for seed, name in enumerate(PROXIES, start=5):
+        raw = json.loads((Path(HF_CONFIGS) / name / "config.json").read_text())
+        hf = hf_fixtures.write_hf_dir(root / name / "hf", raw, dtype=raw["torch_dtype"], config_json=raw, seed=seed)
+        paths[name] = hf
+        import_hf(hf, root / name / "mg1", progress=False, console=None)
+        export_hf(root / name / "mg1", root / name / "hf1", progress=False, console=None)
+    commands = []
+    for name, layout in CASES:
+        base = root / name
+        commands += [f"llm import --hf {base / 'hf'} --out {base / ('mg_' + layout)} {FLAGS[layout]}",
+                     f"llm export --ckpt {base / ('mg_' + layout)} --out {base / ('hf_' + layout)} {FLAGS[layout]}"]
+    commands += ["llm " + command.format(**paths) for command, _ in BAD.values()]
+    out = root / "ranks"
+    out.mkdir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # --standalone: a rendezvous on a free local port (never a fixed 29500), so launches cannot collide
+    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DRIVER), str(out), *commands],
+                            capture_output=True, text=True, timeout=900, env=env, cwd=root)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, record in enumerate(records):
+        print(f"rank {rank}: " + ", ".join(f"{r['argv'].split()[1]} {r['argv'].split()[-1]} {r['seconds']} s "
+                                           f"(peak RSS {r['maxrss_mb']:.0f} MB)" for r in record))  # fmt: skip
+    return dict(paths, records=records, stdout=result.stdout, stderr=result.stderr, commands=commands)
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES, ids=[f"{n}-{layout}" for n, layout in CASES])
+def test_two_process_round_trip_equals_one_process(runs, name, layout, tmp_path):
+    """Import with 2 processes -> the one-process checkpoint's tensors; export of it with 2 processes -> the
+    one-process export's tensors, which are the source's (test_convert checks the one-process round trip)."""
+    base = runs["root"] / name
+    for records in runs["records"]:
+        assert [r["rc"] for r in records[: 2 * len(CASES)]] == [0] * (2 * len(CASES))
+    reference = load_torch_dist(base / "mg1" / "iter_0000000", tmp_path)
+    assert any(".experts." in key for key in reference)  # the expert weights are among those compared
+    assert_bit_identical(load_torch_dist(base / f"mg_{layout}" / "iter_0000000", tmp_path), reference)
+    exported, source = load_safetensors(base / f"hf_{layout}"), load_safetensors(base / "hf")
+    assert_bit_identical(exported, load_safetensors(base / "hf1"))
+    assert_bit_identical(exported, source)
+    assert (base / f"hf_{layout}" / "config.json").read_bytes() == (base / "hf" / "config.json").read_bytes()
+    index = json.loads((base / f"hf_{layout}" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(source)
+    # Each rank read only its shard of the source, yet the summary (rank 0 only) counts every tensor once.
+    summaries = [line for line in runs["stdout"].splitlines() if line.endswith(f"-> {base / ('mg_' + layout)}")]
+    assert len(summaries) == 1 and summaries[0].startswith(f"import: {len(source)} tensors"), summaries
+
+
+def test_layouts_the_processes_or_model_cannot_take_are_one_line(runs):
+    for key, (command, line) in BAD.items():
+        for records in runs["records"]:
+            record = next(r for r in records if r["argv"] == "llm " + command.format(**runs))
+            assert record["rc"] == 2, key
+        assert runs["stderr"].count(line + "\n") == 2, (key, runs["stderr"][-3000:])  # once per rank
+    assert not any(p.name.startswith(("bad_", ".bad_")) for p in runs["root"].iterdir())
+
+
+def test_a_parallel_layout_without_torchrun_names_the_launch(runs, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UserError, match=r"^--tp 2 --pp 1 --ep 1 needs a multiple of 2 \(TP x PP\) processes, this "
+                                        r"run has 1; launch it with `torchrun --nproc-per-node 2 \$\(which nemo\)"):
+        import_hf(runs["kimi_k2_proxy"], tmp_path / "out", tp=2, progress=False, console=None)
+    assert not (tmp_path / "out").exists()
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(dict(hf_fixtures.QWEN3_TINY, torch_dtype="float32")))
+    with pytest.raises(UserError, match=r"^--ep 2 needs a mixture-of-experts model; this one has no experts"):
+        export_hf(runs["root"] / "kimi_k2_proxy" / "mg1", tmp_path / "out", ep=2, hf_config=dense, progress=False,
+                  console=None)  # fmt: skip
+    assert not (tmp_path / "out").exists()
