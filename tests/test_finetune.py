@@ -298,3 +298,26 @@ def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt
         hf_logits = hf(input_ids=ids).logits.float()
     assert (probe.logits[..., :4096] - hf_logits).abs().max().item() < 1e-4
     assert (probe.base_logits - probe.logits).abs().max().item() > 1e-3  # the adapters matter: the merge is real
+
+
+@pytest.mark.slow
+def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
+    """MuonClip fine-tuning of the Kimi K2 proxy (MLA, no QK-norm): QK-clip on, the max attention logit logged."""
+    import math
+    import re
+
+    import yaml
+
+    base, run = tmp_path / "kimi", tmp_path / "kimi_sft"
+    _run(["pretrain", "--recipe", "kimi_k2_proxy_muon", f"checkpoint.save={base}", f"checkpoint.load={base}",
+          "train.train_iters=2", "checkpoint.save_interval=2"], cwd=tmp_path)
+    result = _run(["finetune", "--recipe", "kimi_k2_proxy_sft_muon", "--data", "stdlib-signatures",
+                   f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={run}", f"checkpoint.load={run}",
+                   "train.train_iters=5", "logger.log_interval=5", "train.eval_interval=5", "train.eval_iters=1",
+                   "checkpoint.save_interval=5"], cwd=tmp_path)
+    line = next(x for x in result.stdout.splitlines() if x.startswith(" [muon] iteration 5:"))
+    logit = float(re.search(r"max_attention_logit ([0-9.e+-]+)", line).group(1))
+    assert math.isfinite(logit) and 0 < logit < 100.0  # measured, and under the threshold QK-clip enforces
+    model = yaml.safe_load((run / "iter_0000005" / "run_config.yaml").read_text())["model"]
+    assert (model["qk_clip"], model["qk_clip_threshold"], model["qk_clip_alpha"]) == (True, 100.0, 0.5)
+    assert model["multi_latent_attention"] and model["log_max_attention_logit"]
