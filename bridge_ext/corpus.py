@@ -412,12 +412,14 @@ def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str
             def write(encoded: list[list[int]]) -> None:
                 nonlocal documents, tokens, empty, max_id
                 for ids in encoded:
-                    if not ids:
+                    if not ids.size:
                         empty += 1
                         continue
-                    array = np.asarray(ids + eod if eod else ids, dtype=np.int64)
+                    array = np.empty(ids.size + len(eod), dtype=dtype)
+                    array[:ids.size] = ids
+                    array[ids.size:] = eod
                     max_id = max(max_id, int(array.max()))
-                    builder.add_document(array.astype(dtype, copy=False), [array.size])
+                    builder.add_document(array, [array.size])
                     documents += 1
                     tokens += array.size
                 seconds = time.perf_counter() - start
@@ -425,7 +427,7 @@ def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str
                                 rate=f"{tokens / max(seconds, 1e-9):,.0f}")
 
             for batch in _batches(files, text_key, counter, stats):
-                future = pool.submit(tok.encode_batch, batch, threads=workers)  # overlaps with reading the next
+                future = pool.submit(tok.encode_batch_numpy, batch, threads=workers)  # overlaps with reading the next
                 if pending is not None:
                     write(pending.result())
                 pending = future

@@ -24,11 +24,13 @@ Public API: :func:`load_tokenizer`, :class:`TextTokenizer`, :func:`megatron_toke
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -55,7 +57,7 @@ KIMI_PAT_STR = "|".join([
 KIMI_RESERVED_SPECIAL_TOKENS = 256
 _TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 _MAX_NO_WHITESPACES_CHARS = 25_000
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_NO_WHITESPACES_CHARS + 1, _MAX_NO_WHITESPACES_CHARS + 1))
+_LONG_SPACE = re.compile(r"\s{%d}" % (_MAX_NO_WHITESPACES_CHARS + 1))
 
 # Files whose bytes define a tokenizer (hashed into every dataset key made with it).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -92,6 +94,31 @@ class TextTokenizer:
             out[owner].extend(ids)
         return out
 
+    def encode_batch_numpy(self, texts: list[str], *, threads: int = 1) -> list[Any]:
+        """:meth:`encode_batch` as uint32 numpy arrays (tiktoken writes them without Python lists)."""
+        import numpy as np
+
+        if self.kind == "huggingface":
+            return [np.array(e.ids, dtype=np.uint32) for e in self._backend.encode_batch_fast(texts,
+                                                                                               add_special_tokens=False)]
+        pieces, owners = [], []
+        for index, text in enumerate(texts):
+            for piece in _kimi_pieces(text):
+                pieces.append(piece)
+                owners.append(index)
+        encode = functools.partial(self._backend.encode_to_numpy, allowed_special="all")
+        if threads > 1:
+            with ThreadPoolExecutor(threads) as pool:  # tiktoken's Rust core releases the GIL
+                arrays = list(pool.map(encode, pieces))
+        else:
+            arrays = list(map(encode, pieces))
+        if len(pieces) == len(texts):
+            return arrays
+        grouped: list[list[Any]] = [[] for _ in texts]
+        for owner, array in zip(owners, arrays):
+            grouped[owner].append(array)
+        return [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in grouped]
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
@@ -101,10 +128,16 @@ class TextTokenizer:
         return self._backend.decode(ids)
 
 
+def _has_long_run(text: str) -> bool:
+    """A run of more than 25,000 whitespace or non-whitespace characters (``str.isspace``, as Kimi's code)."""
+    return (max(map(len, text.split()), default=0) > _MAX_NO_WHITESPACES_CHARS
+            or _LONG_SPACE.search(text) is not None)
+
+
 def _kimi_pieces(text: str) -> list[str]:
     """tokenization_kimi.py's encode(): 400,000-character chunks, runs of at most 25,000 (non-)whitespace."""
     if len(text) <= _MAX_NO_WHITESPACES_CHARS or (len(text) <= _TIKTOKEN_MAX_ENCODE_CHARS
-                                                   and not _LONG_RUN.search(text)):
+                                                   and not _has_long_run(text)):
         return [text]
     out = []
     for start in range(0, len(text), _TIKTOKEN_MAX_ENCODE_CHARS):
@@ -114,7 +147,7 @@ def _kimi_pieces(text: str) -> list[str]:
 
 def _split_runs(s: str, limit: int) -> list[str]:
     """Cut ``s`` so that no piece has more than ``limit`` consecutive whitespace or non-whitespace characters."""
-    if not _LONG_RUN.search(s):
+    if not _has_long_run(s):
         return [s]
     out, run, is_space, start = [], 0, s[0].isspace() if s else False, 0
     for i, char in enumerate(s):
