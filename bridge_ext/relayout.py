@@ -177,7 +177,7 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     before, now = _expert_parallel(saved), m.expert_model_parallel_size or 1
     same_tp_pp = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
         m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
-    if before == now or (before == 1 and now == 1) or not same_tp_pp:
+    if before == now or not same_tp_pp:
         return None  # the same sharding, or a TP/PP change Megatron Bridge already handles (it says so)
     ckpt.load_rng = False
     if os.environ.get("RANK", "0") != "0":
