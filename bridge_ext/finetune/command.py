@@ -150,6 +150,9 @@ def _import_on_the_fly(hf: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     summary = import_hf(hf, target, console=lambda line: print(line, file=sys.stderr))
     print(summary.line(), file=sys.stderr)
+    from bridge_ext.cpu_config import reset_megatron_globals
+
+    reset_megatron_globals()  # the import's Megatron globals (rerun state machine, ...) must not reach the run
     return target
 
 
