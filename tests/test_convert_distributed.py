@@ -28,8 +28,6 @@ import hf_fixtures
 from bridge_ext.convert import export_hf, import_hf
 from bridge_ext.errors import UserError
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")  # the venv under test
 DRIVER = REPO / "tests" / "convert_rank_driver.py"
@@ -40,8 +38,8 @@ BAD = {  # command -> the one line each rank prints (exit code 2, nothing writte
     "pp2_on_3_layers": ("import --hf {kimi_k2_proxy} --out {root}/bad_pp --pp 2",
                         "error: --pp 2 does not divide the model's 3 layers; choose a divisor of 3"),
     "tp2_ep2_on_2": ("export --ckpt {root}/kimi_k2_proxy/mg1 --out {root}/bad_tpep --tp 2 --ep 2",
-                     "error: --tp 2 --pp 1 --ep 2 needs a multiple of 4 (TP x EP) processes, this run has 2; "
-                     "launch it with `torchrun --nproc-per-node 4 $(which nemo) llm ...` or lower the sizes"),
+                     "error: --tp 2 --pp 1 --ep 2 needs a multiple of 4 processes (TP x PP = 2, TP x EP = 4), this "
+                     "run has 2; launch it with `torchrun --nproc-per-node 4 $(which nemo) llm ...` or lower the sizes"),
 }  # fmt: skip
 
 
@@ -66,21 +64,19 @@ def load_torch_dist(iter_dir: Path, scratch: Path) -> dict:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def assert_bit_identical(got: dict, want: dict) -> None:
+def assert_bit_identical(got: dict, want: dict, case: str) -> None:
     import torch
 
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want), case
     for key, tensor in want.items():
-        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
-        assert got[key].reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), key
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, (case, key)
+        assert got[key].reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), (case, key)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def two_process_runs(root: Path) -> dict:
     """HF dirs of both proxies, their one-process import + export, and one torchrun launch of the rest."""
     from recipes.models import HF_CONFIGS
 
-    root = tmp_path_factory.mktemp("distributed")
     paths: dict = {"root": root}
     for seed, name in enumerate(PROXIES, start=5):
         raw = json.loads((Path(HF_CONFIGS) / name / "config.json").read_text())
@@ -105,49 +101,48 @@ def runs(tmp_path_factory) -> dict:
     for rank, record in enumerate(records):
         print(f"rank {rank}: " + ", ".join(f"{r['argv'].split()[1]} {r['argv'].split()[-1]} {r['seconds']} s "
                                            f"(peak RSS {r['maxrss_mb']:.0f} MB)" for r in record))  # fmt: skip
-    return dict(paths, records=records, stdout=result.stdout, stderr=result.stderr, commands=commands)
+    return dict(paths, records=records, stdout=result.stdout, stderr=result.stderr)
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES, ids=[f"{n}-{layout}" for n, layout in CASES])
-def test_two_process_round_trip_equals_one_process(runs, name, layout, tmp_path):
-    """Import with 2 processes -> the one-process checkpoint's tensors; export of it with 2 processes -> the
-    one-process export's tensors, which are the source's (test_convert checks the one-process round trip)."""
-    base = runs["root"] / name
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_two_process_conversions_equal_one_process(tmp_path):
+    """For each case: import with 2 processes -> the one-process checkpoint's tensors; export of it with 2
+    processes -> the one-process export's tensors, which are the source's (test_convert checks the
+    one-process round trip). One test, one launch: xdist would build a module fixture on each worker."""
+    runs = two_process_runs(tmp_path)
     for records in runs["records"]:
-        assert [r["rc"] for r in records[: 2 * len(CASES)]] == [0] * (2 * len(CASES))
-    reference = load_torch_dist(base / "mg1" / "iter_0000000", tmp_path)
-    assert any(".experts." in key for key in reference)  # the expert weights are among those compared
-    assert_bit_identical(load_torch_dist(base / f"mg_{layout}" / "iter_0000000", tmp_path), reference)
-    exported, source = load_safetensors(base / f"hf_{layout}"), load_safetensors(base / "hf")
-    assert_bit_identical(exported, load_safetensors(base / "hf1"))
-    assert_bit_identical(exported, source)
-    assert (base / f"hf_{layout}" / "config.json").read_bytes() == (base / "hf" / "config.json").read_bytes()
-    index = json.loads((base / f"hf_{layout}" / "model.safetensors.index.json").read_text())
-    assert sorted(index["weight_map"]) == sorted(source)
-    # Each rank read only its shard of the source, yet the summary (rank 0 only) counts every tensor once.
-    summaries = [line for line in runs["stdout"].splitlines() if line.endswith(f"-> {base / ('mg_' + layout)}")]
-    assert len(summaries) == 1 and summaries[0].startswith(f"import: {len(source)} tensors"), summaries
-
-
-def test_layouts_the_processes_or_model_cannot_take_are_one_line(runs):
+        assert [r["rc"] for r in records[: 2 * len(CASES)]] == [0] * (2 * len(CASES)), records
+    for name, layout in CASES:
+        case = f"{name} {layout}"
+        base = runs["root"] / name
+        reference = load_torch_dist(base / "mg1" / "iter_0000000", tmp_path)
+        assert any(".experts." in key for key in reference), case  # the expert weights are among those compared
+        assert_bit_identical(load_torch_dist(base / f"mg_{layout}" / "iter_0000000", tmp_path), reference, case)
+        exported, source = load_safetensors(base / f"hf_{layout}"), load_safetensors(base / "hf")
+        assert_bit_identical(exported, load_safetensors(base / "hf1"), case)
+        assert_bit_identical(exported, source, case)
+        assert (base / f"hf_{layout}" / "config.json").read_bytes() == (base / "hf" / "config.json").read_bytes()
+        index = json.loads((base / f"hf_{layout}" / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(source), case
+        # Each rank read only its shard of the source, yet the summary (rank 0 only) counts every tensor once.
+        summaries = [line for line in runs["stdout"].splitlines() if line.endswith(f"-> {base / ('mg_' + layout)}")]
+        assert len(summaries) == 1 and summaries[0].startswith(f"import: {len(source)} tensors"), (case, summaries)
+    # Layouts the launch or the model cannot take: one line on each rank, exit code 2, nothing written.
     for key, (command, line) in BAD.items():
         for records in runs["records"]:
-            record = next(r for r in records if r["argv"] == "llm " + command.format(**runs))
-            assert record["rc"] == 2, key
-        assert runs["stderr"].count(line + "\n") == 2, (key, runs["stderr"][-3000:])  # once per rank
+            assert next(r for r in records if r["argv"] == "llm " + command.format(**runs))["rc"] == 2, key
+        assert runs["stderr"].count(line + "\n") == 2, (key, runs["stderr"][-3000:])
     assert not any(p.name.startswith(("bad_", ".bad_")) for p in runs["root"].iterdir())
 
 
-def test_a_parallel_layout_without_torchrun_names_the_launch(runs, tmp_path, monkeypatch):
+def test_a_parallel_layout_without_torchrun_names_the_launch(tmp_path, monkeypatch):
+    """Refused before torch or Megatron load: the number of processes to launch, or that the model has no experts."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(UserError, match=r"^--tp 2 --pp 1 --ep 1 needs a multiple of 2 \(TP x PP\) processes, this "
-                                        r"run has 1; launch it with `torchrun --nproc-per-node 2 \$\(which nemo\)"):
-        import_hf(runs["kimi_k2_proxy"], tmp_path / "out", tp=2, progress=False, console=None)
-    assert not (tmp_path / "out").exists()
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    (dense / "config.json").write_text(json.dumps(dict(hf_fixtures.QWEN3_TINY, torch_dtype="float32")))
+    moe, dense = hf_fixtures.qwen3_moe_dir(tmp_path / "moe"), hf_fixtures.qwen3_dir(tmp_path / "dense")
+    with pytest.raises(UserError, match=r"^--tp 2 --pp 1 --ep 2 needs a multiple of 4 processes \(TP x PP = 2, TP x "
+                                        r"EP = 4\), this run has 1; launch it with `torchrun --nproc-per-node 4 "):
+        import_hf(moe, tmp_path / "out", tp=2, ep=2, progress=False, console=None)
     with pytest.raises(UserError, match=r"^--ep 2 needs a mixture-of-experts model; this one has no experts"):
-        export_hf(runs["root"] / "kimi_k2_proxy" / "mg1", tmp_path / "out", ep=2, hf_config=dense, progress=False,
-                  console=None)  # fmt: skip
+        import_hf(dense, tmp_path / "out", ep=2, progress=False, console=None)
     assert not (tmp_path / "out").exists()

@@ -129,11 +129,11 @@ def check_layout(config: Any, *, tp: int, pp: int, ep: int) -> None:
         raise UserError(f"--ep {ep} does not divide the model's {experts} experts; choose a divisor of {experts}")
     if layers % pp:
         raise UserError(f"--pp {pp} does not divide the model's {layers} layers; choose a divisor of {layers}")
-    launch = f"torchrun --nproc-per-node {math.lcm(tp * pp, tp * ep)}"
-    for name, size in (("TP x PP", tp * pp), ("TP x EP", tp * ep)):
-        if world_size % size:
-            raise UserError(f"--tp {tp} --pp {pp} --ep {ep} needs a multiple of {size} ({name}) processes, this run has "
-                            f"{world_size}; launch it with `{launch} $(which nemo) llm ...` or lower the sizes")
+    need = math.lcm(tp * pp, tp * ep)
+    if world_size % need:
+        raise UserError(f"--tp {tp} --pp {pp} --ep {ep} needs a multiple of {need} processes (TP x PP = {tp * pp}, "
+                        f"TP x EP = {tp * ep}), this run has {world_size}; launch it with "
+                        f"`torchrun --nproc-per-node {need} $(which nemo) llm ...` or lower the sizes")
 
 
 def _init_parallel(*, tp: int, pp: int, ep: int, cpu: bool) -> None:
