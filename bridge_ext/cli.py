@@ -308,6 +308,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other bad input
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """A command's ``key=value`` overrides may come before, between and after its options
+        (``layout=cpu --dryrun train.train_iters=3``): argparse's intermixed parsing, for leaf commands."""
+        if self._subparsers is not None or getattr(self, "_intermixing", False):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args calls back into this method
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
 
 def build_parser() -> argparse.ArgumentParser:
     root = _Parser(prog="nemo", description="Megatron Bridge recipes for Kimi K2 and Qwen3 with Muon.")

@@ -356,3 +356,15 @@ def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_p
     megatron = [line.split("Warning: ", 1)[1] for line in real.stderr.splitlines()
                 if "Warning: " in line and "/megatron/" in line]
     assert warning in " ".join(megatron) and len(megatron) == len(set(megatron)), megatron
+
+
+@pytest.mark.once
+def test_overrides_may_come_before_between_and_after_options():
+    """argparse alone stops collecting ``key=value`` at the first option: `layout=cpu --dryrun x=1` was refused."""
+    args = cli.build_parser().parse_args(
+        ["llm", "pretrain", "layout=cpu", "--recipe", "qwen3_proxy_muon", "--dryrun", "train.train_iters=3",
+         "optimizer.lr=2e-4"])
+    assert (args.recipe, args.dryrun) == ("qwen3_proxy_muon", True)
+    assert args.overrides == ["layout=cpu", "train.train_iters=3", "optimizer.lr=2e-4"]
+    with pytest.raises(cli.UserError, match=r"^unrecognized arguments: --bogus \(see `nemo --help`\)$"):
+        cli.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "x=1", "--bogus"])
