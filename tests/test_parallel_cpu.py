@@ -151,6 +151,7 @@ def runs(cpu_mode, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_every_layout_and_every_resume_computes_the_one_process_loss(runs):
     worst = {}
     for save, recipe, iteration, layout in runs["runs"]:
@@ -172,6 +173,7 @@ def _adam_updated(key: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
     worst_muon, worst_adam, failures = {}, {}, []
     for save, recipe, iteration, layout in runs["runs"]:
@@ -194,6 +196,7 @@ def test_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_four_processes_tp2_ep2_compute_the_one_process_step(runs):
     """cpu-tp2-ep2 (TP2 x DP2, experts EP2, 4 processes): the 1-process loss and update, from its checkpoint."""
     tmp, save = runs["tmp"], runs["tmp"] / "T-2-cpu-tp2-ep2"
@@ -220,6 +223,7 @@ def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
     """W2 = W1 (1 - lr wd) - lr * 0.2 sqrt(max(shard shape)) NS(u_shard), per TP shard of linear_proj (row
     parallel: split along its input dimension), with u the Nesterov vector recovered from the saved momenta
