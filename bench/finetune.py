@@ -4,7 +4,8 @@
 
 For each proxy: its ``<proxy>_muon`` pre-training recipe (default length) makes the base checkpoint; then
 ``<proxy>_{sft,lora}_{muon,adamw}`` fine-tune it on the shipped instruction set (``--data
-stdlib-signatures``) with each seed (``rng.seed`` and ``dataset.seed``: initialization and data order). The
+stdlib-signatures``) with each seed (``rng.seed`` and ``dataset.seed``; full SFT from a checkpoint is
+deterministic and reads the records in file order, so only LoRA's initialization varies: docs/finetune.md). The
 held-out loss (the same 64 records every pass) is read from each run's ``eval.jsonl``. Prints a Markdown
 table (docs/finetune.md) and writes ``results.json``. Every run goes through ``nemo llm`` itself.
 """
