@@ -370,6 +370,9 @@ def _is_ours(argv: list[str]) -> bool:
     command = argv[1]
     if command == "pretrain":
         return any(a == "--recipe" or a.startswith("--recipe=") for a in argv[2:])
+    if command == "finetune":  # NeMo-Run's `nemo llm finetune --factory ...` stays NeMo-Run's
+        factory = any(a == "--factory" or a.startswith("--factory=") for a in argv[2:])
+        return not factory or any(a == "--recipe" or a.startswith("--recipe=") for a in argv[2:])
     return command in OUR_COMMANDS or command in ("-h", "--help")
 
 

@@ -73,6 +73,13 @@ def test_unknown_finetune_recipe_names_the_closest(capsys):
         "`nemo llm finetune --list` lists them")
 
 
+@pytest.mark.once
+def test_nemo_run_keeps_its_factory_finetune():
+    assert not cli._is_ours(["llm", "finetune", "--factory", "llama3_8b"])
+    assert cli._is_ours(["llm", "finetune", "--recipe", "qwen3_8b_sft_muon", "--data", "x.jsonl"])
+    assert cli._is_ours(["llm", "finetune", "--list"])
+
+
 # --------------------------------------------------------------------------------------------- bad input
 @pytest.mark.once
 @pytest.mark.parametrize("rows, message", [
