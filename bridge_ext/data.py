@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import recipes
+from bridge_ext.cache import ENV_CACHE as _ENV_CACHE
+from bridge_ext.cache import cache_root
 from bridge_ext.errors import UserError
 
 __all__ = [
@@ -60,7 +62,6 @@ _MIN_CORPUS_BYTES = 500_000
 _EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 _FORMAT = 1  # bump when the dataset layout changes: old cache entries are then ignored
 _PREFIX_NAME = "stdlib_text_document"
-_ENV_CACHE = "MUON_RECIPES_CACHE"
 
 # Split of the documents into train / validation / test (Megatron's ``split`` string).
 DATA_SPLIT = "98,1,1"
@@ -114,12 +115,6 @@ def corpus_files(max_bytes: int | None = None, root: Path | None = None) -> list
 def read_document(item: CorpusFile) -> str:
     """A corpus file's text exactly as stored (no newline translation)."""
     return item.path.read_bytes().decode("utf-8")
-
-
-def cache_root() -> Path:
-    """``$MUON_RECIPES_CACHE``, or ``~/.cache/muon-recipes``."""
-    env = os.environ.get(_ENV_CACHE)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "muon-recipes"
 
 
 def _corpus_key(files: list[CorpusFile], tokenizer_dir: Path) -> str:

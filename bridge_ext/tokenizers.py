@@ -304,7 +304,7 @@ def megatron_tokenizer_dir(directory: str | Path, *, quiet: bool = True) -> Path
     tok = load_tokenizer(directory)
     if tok.kind == "huggingface":
         return tok.directory
-    from bridge_ext.data import cache_root
+    from bridge_ext.cache import cache_root
 
     parent = cache_root() / "tokenizers"
     final = parent / f"tiktoken-{tok.fingerprint[:16]}-v{_CONVERTED_FORMAT}"
