@@ -133,7 +133,8 @@ def _import_key(hf: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def _import_on_the_fly(hf: Path) -> Path:
+def _import_target(hf: Path) -> Path:
+    """Where ``--hf DIR`` is imported to (checked first: the config names it before validation)."""
     from bridge_ext.data import cache_root
 
     if not (hf / "config.json").is_file():
@@ -141,7 +142,10 @@ def _import_on_the_fly(hf: Path) -> Path:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--hf imports in one process; under torchrun run `nemo llm import --hf DIR --out CKPT` "
                         "first and pass checkpoint.pretrained_checkpoint=CKPT")
-    target = cache_root() / "imports" / _import_key(hf)
+    return cache_root() / "imports" / _import_key(hf)
+
+
+def _import_on_the_fly(hf: Path, target: Path) -> Path:
     if (target / "latest_checkpointed_iteration.txt").is_file():
         print(f"--hf: using the import cached at {target}", file=sys.stderr)
         return target
@@ -184,6 +188,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         raise UserError(f"--hf {args.hf} does not exist")
     if pretrained and not Path(pretrained).is_dir():
         raise UserError(f"checkpoint.pretrained_checkpoint={pretrained} does not exist")
+    target = _import_target(Path(args.hf)) if args.hf else None
+    if target is not None:  # named before validation: Megatron Bridge validates PEFT only with a base checkpoint
+        args.overrides.append(f"checkpoint.pretrained_checkpoint={target}")
     recipe, layout, cfg, checked = resolve_finetune(args)
     from bridge_ext.overrides import config_to_yaml
 
@@ -205,14 +212,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         lines = _summary(recipe, layout.cluster, shown, gpus).splitlines()
         lines = [line for line in lines if not line.startswith("data ")]
         lines.insert(1, f"finetune    {recipe.mode}: {describe(checked)}")
-        lines.insert(2, f"checkpoint  {pretrained or args.hf or '(set checkpoint.pretrained_checkpoint=DIR or --hf DIR)'}")
+        source = f"--hf {args.hf} (imported to {target})" if target else pretrained
+        lines.insert(2, f"checkpoint  {source or '(set checkpoint.pretrained_checkpoint=DIR or --hf DIR)'}")
         print("\n".join(lines))
         print("---")
         print(config_to_yaml(cfg), end="")
         return 0
-    if args.hf:
-        pretrained = str(_import_on_the_fly(Path(args.hf)))
-        cfg.checkpoint.pretrained_checkpoint = pretrained
+    if target is not None:
+        pretrained = str(_import_on_the_fly(Path(args.hf), target))
     if not pretrained and not cfg.checkpoint.load:
         raise UserError("fine-tuning starts from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR or --hf DIR")
     run_finetune(recipe, cfg, data=args.data, device=args.device)
