@@ -104,6 +104,18 @@ def test_bad_data_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, 
 
 
 @pytest.mark.once
+def test_checkpoint_arguments_are_checked_first(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input": "q", "output": "a"}] * 2)
+    base = ["finetune", "--recipe", "qwen3_proxy_sft_muon", "--data", str(data)]
+    for extra, message in (([f"--hf={tmp_path}/nope"], f"error: --hf {tmp_path}/nope does not exist"),
+                           (["--hf", str(tmp_path)], f"error: --hf {tmp_path} is not a Hugging Face model directory"),
+                           (["--hf", str(tmp_path), f"checkpoint.pretrained_checkpoint={tmp_path}"],
+                            "error: pass either --hf DIR or checkpoint.pretrained_checkpoint=DIR, not both")):
+        assert nemo_llm([*base, *extra]) == 2
+        assert capsys.readouterr().err.startswith(message)
+
+
+@pytest.mark.once
 def test_tokenizer_without_chat_template_is_refused_before_writing(tmp_path):
     from bridge_ext.finetune.data import prepare_sft_data
 
