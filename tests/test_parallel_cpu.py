@@ -13,6 +13,8 @@ Each phase's loss must equal the reference's at that iteration, and its saved we
 (read back from the torch_dist files as global tensors, layout-independent) the reference's. fp32,
 ``muon_fp32_matmul_prec=highest``, duplicated TP mode (each TP shard gathered: the 1-process update).
 Blockwise TP mode orthogonalizes each shard alone; it is checked against that definition, computed here.
+A 4-process launch takes one `cpu-tp2-ep2` step. Everything is one heavy test: under ``pytest -n 2`` a
+shared module fixture would run once per worker.
 """
 
 from __future__ import annotations
@@ -106,10 +108,8 @@ def _max_differences(a: Path, b: Path) -> dict[str, float]:
     return {key: (x[key] - y[key]).abs().max().item() for key in x}
 
 
-@pytest.fixture(scope="module")
-def runs(cpu_mode, tmp_path_factory):
+def _run_everything(tmp: Path) -> dict:
     """Both references, the 2-process phases and the resumes back into one process; wall times printed."""
-    tmp = tmp_path_factory.mktemp("parallel")
     times = {}
     t0 = time.time()
     ref = {MOE: tmp / "ref-moe", DENSE: tmp / "ref-dense"}
@@ -150,9 +150,7 @@ def runs(cpu_mode, tmp_path_factory):
     return {"ref": ref, "runs": runs, "tmp": tmp}
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_every_layout_and_every_resume_computes_the_one_process_loss(runs):
+def _check_every_layout_and_every_resume_computes_the_one_process_loss(runs):
     worst = {}
     for save, recipe, iteration, layout in runs["runs"]:
         if save.name.startswith("W"):
@@ -172,9 +170,7 @@ def _adam_updated(key: str) -> bool:
         part in key for part in ("embedding", "output_layer", "norm"))
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
+def _check_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
     worst_muon, worst_adam, failures = {}, {}, []
     for save, recipe, iteration, layout in runs["runs"]:
         if save.name.startswith("W"):
@@ -195,9 +191,7 @@ def test_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
     assert not failures, failures
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_four_processes_tp2_ep2_compute_the_one_process_step(runs):
+def _check_four_processes_tp2_ep2_compute_the_one_process_step(runs):
     """cpu-tp2-ep2 (TP2 x DP2, experts EP2, 4 processes): the 1-process loss and update, from its checkpoint."""
     tmp, save = runs["tmp"], runs["tmp"] / "T-2-cpu-tp2-ep2"
     _launch([["--recipe", MOE, "layout=cpu-tp2-ep2", "train.train_iters=2", f"checkpoint.save={save}",
@@ -222,9 +216,7 @@ def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if transposed else x
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
+def _check_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
     """W2 = W1 (1 - lr wd) - lr * 0.2 sqrt(max(shard shape)) NS(u_shard), per TP shard of linear_proj (row
     parallel: split along its input dimension), with u the Nesterov vector recovered from the saved momenta
     (m2 = m1 lerp g by 1-beta; u = g lerp m2 by beta) and lr the warm-up's 1e-2 * 1/5 (the scheduler has
@@ -253,6 +245,17 @@ def test_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
               f"run {control:.1e}, vs blockwise W2 {other:.1e}")
         assert error <= 1e-6 and control <= 1e-6
         assert other > 100 * max(error, 1e-7)  # the check tells the two modes apart
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_several_processes_compute_what_one_does_and_resume_in_any_layout(cpu_mode, tmp_path):
+    """One test (xdist would run a shared module fixture once per worker): the launches, then each check."""
+    runs = _run_everything(tmp_path)
+    _check_every_layout_and_every_resume_computes_the_one_process_loss(runs)
+    _check_resumed_weights_and_muon_momentum_equal_the_straight_run(runs)
+    _check_tp2_blockwise_orthogonalizes_each_shard_alone(runs)
+    _check_four_processes_tp2_ep2_compute_the_one_process_step(runs)
 
 
 def test_relayout_targets_match_upstream():
