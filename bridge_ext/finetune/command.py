@@ -135,7 +135,7 @@ def _import_key(hf: Path) -> str:
 
 def _import_target(hf: Path) -> Path:
     """Where ``--hf DIR`` is imported to (checked first: the config names it before validation)."""
-    from bridge_ext.data import cache_root
+    from bridge_ext.cache import cache_root
 
     if not (hf / "config.json").is_file():
         raise UserError(f"--hf {hf} is not a Hugging Face model directory (no config.json)")
@@ -227,7 +227,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def _cache() -> Path:
-    from bridge_ext.data import cache_root
+    from bridge_ext.cache import cache_root
 
     return cache_root()
 
