@@ -322,6 +322,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
     """MuonClip fine-tuning of the Kimi K2 proxy (MLA, no QK-norm): QK-clip on, the max attention logit logged."""
     import math

@@ -83,6 +83,7 @@ def test_gb300_layouts_default_to_nvl72_trays():
 
 @pytest.mark.once
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_local_executor_trains_a_proxy_with_two_processes(tmp_path):
     """NeMo-Run's LocalExecutor + torchrun: the Qwen3 proxy on `cpu-dp2` (2 CPU processes, gloo) trains 2
     iterations from the YAML `--to-yaml` writes for the same command line, and saves."""

@@ -419,6 +419,7 @@ def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, monkeypatch):
     """docs/data.md, Kimi K2, command by command: a tiktoken directory through prepare-data, the dry run of
     kimi_k2_muon (and its refusal of a split Megatron cannot build), training (kimi_k2_proxy_muon on CPU)."""
