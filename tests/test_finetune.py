@@ -220,6 +220,7 @@ def proxy_ckpt(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
     from bridge_ext.finetune.command import read_eval
     from bridge_ext.training import read_losses

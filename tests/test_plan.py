@@ -86,6 +86,7 @@ DRIVER_CASES = ["kimi_k2_proxy_muon:cpu-tp2", "kimi_k2_proxy_muon:cpu-ep2", "kim
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_parameters_per_rank_equal_what_megatron_builds(tmp_path):
     """TP2, EP2 and PP2 (the Kimi K2 proxy's uneven `Ett|tL` included), 2 processes on gloo: every rank's
     parameter tensors (sizes, as a multiset) equal the plan's for that pipeline rank (local layer spec)."""
