@@ -357,17 +357,15 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
 
 def _results_server(parent_pid: int) -> None:
     """Initializer of the writer's Manager server: die with the trainer, and import what the write results
-    need to be unpickled (torch) in the background, so the first save does not wait for that import.
+    need to be unpickled (torch) now, so the first save does not wait for that import.
 
-    Only ``torch`` itself: a first write result unpickled while the background thread was still inside
-    ``torch.distributed.checkpoint`` took the package's submodules in another order, and Python's import
-    lock reported a deadlock in the thread (``_DeadlockError`` on ``...checkpoint.storage``). Importing a
-    submodule imports ``torch`` first, so the server's main thread just waits for the thread to finish it.
+    In the initializer, not in a background thread: a thread importing torch while the server's request
+    threads unpickled the first write result broke both ways (``_DeadlockError`` on
+    ``torch.distributed.checkpoint.storage``, or a half-initialised ``torch`` that aborted the server).
+    The trainer's ``manager.start()`` waits for it, once, when the run starts.
     """
-    import threading
-
     exit_with_parent(parent_pid)
-    threading.Thread(target=importlib.import_module, args=("torch",), daemon=True).start()
+    importlib.import_module("torch.distributed.checkpoint")
 
 
 class _AfterFork:
