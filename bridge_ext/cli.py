@@ -227,23 +227,12 @@ def _resolve(args: argparse.Namespace):
 
 
 # Overrides that pick one of the recipe's parts instead of setting a config field.
-_PART_SELECTORS = ("preset", "layout")
-
-
-def _split_part_selectors(args: argparse.Namespace) -> None:
-    """``preset=NAME`` / ``layout=NAME`` in the override list select recipe parts (like --layout)."""
-    remaining = []
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in _PART_SELECTORS:
-            setattr(args, key, value)
-        else:
-            remaining.append(item)
-    args.overrides = remaining
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    _split_part_selectors(args)
+    from bridge_ext.overrides import split_part_selectors
+
+    split_part_selectors(args)
     if args.executor:  # NeMo-Run: local torchrun or Slurm (bridge_ext.launch)
         from bridge_ext.launch import launch
 

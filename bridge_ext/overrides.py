@@ -19,7 +19,7 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "set_dotted"]
+__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "set_dotted", "split_part_selectors"]
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
@@ -175,3 +175,19 @@ def apply_user_overrides(
     for dotted, value in object_values:
         set_dotted(cfg, dotted, value)
     return cfg
+
+
+PART_SELECTORS = ("preset", "layout")
+
+
+def split_part_selectors(args: Any) -> None:
+    """``preset=NAME`` / ``layout=NAME`` in ``args.overrides`` select recipe parts (like --layout): moved onto
+    ``args``; the other overrides stay."""
+    remaining = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in PART_SELECTORS:
+            setattr(args, key, value)
+        else:
+            remaining.append(item)
+    args.overrides = remaining

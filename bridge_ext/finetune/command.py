@@ -30,21 +30,9 @@ from bridge_ext.errors import UserError
 
 __all__ = ["cmd_finetune", "register", "resolve_finetune", "run_finetune"]
 
-_PART_SELECTORS = ("preset", "layout")
 # Architecture fields a pretrained checkpoint must share with the recipe's model (run_config.yaml "model").
 _ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "num_moe_experts", "multi_latent_attention", "kv_channels")
-
-
-def _split_part_selectors(args: argparse.Namespace) -> None:
-    remaining = []
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in _PART_SELECTORS:
-            setattr(args, key, value)
-        else:
-            remaining.append(item)
-    args.overrides = remaining
 
 
 def _override_value(overrides: list[str], key: str) -> str | None:
@@ -165,7 +153,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         return _list()
     if not args.recipe:
         raise UserError("--recipe is required (`nemo llm finetune --list` lists the fine-tuning recipes)")
-    _split_part_selectors(args)
+    from bridge_ext.overrides import split_part_selectors
+
+    split_part_selectors(args)
     from recipes.finetune import get_finetune_recipe
 
     get_finetune_recipe(args.recipe)  # an unknown name first: the cheapest check
