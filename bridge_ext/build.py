@@ -236,6 +236,16 @@ def _launch_problems(cfg: ConfigContainer, gpus: int, max_positions: int | None)
     if m.num_moe_experts and m.num_moe_experts % ep:  # asserted when the MoE layer is built (moe_layer.py)
         out.append(f"model.num_moe_experts {m.num_moe_experts} is not divisible by "
                    f"model.expert_model_parallel_size {ep}")
+    if m.num_moe_experts and ep == 1 and etp != tp:
+        # Trains wrong without an error, on any device: megatron-core 0.16 marks expert weights as dense
+        # (`allreduce`) when EP is 1 (tensor_parallel/layers.py `not (self.is_expert and self.expert_parallel)`,
+        # expert_parallel = EP > 1; TE's grouped linear alike), so DDP reduces their gradients over the dense
+        # data-parallel group, while the experts' tokens were split over the TP ranks that ETP != TP leaves out
+        # of it (expert weights 1e-3 off a 1-process run after one step, measured on CPU at TP2 ETP1 EP1).
+        out.append(f"model.expert_tensor_parallel_size {etp} with tensor_model_parallel_size {tp} and "
+                   f"expert_model_parallel_size 1 trains the experts wrong (megatron-core reduces their gradients "
+                   f"over data-parallel ranks only); set model.expert_tensor_parallel_size={tp} or "
+                   f"model.expert_model_parallel_size > 1")
     if max_positions and m.seq_length > max_positions:  # RoPE would run, on positions the model never had
         out.append(f"model.seq_length {m.seq_length} exceeds the model's max_position_embeddings {max_positions}")
     from megatron.core import num_microbatches_calculator

@@ -129,7 +129,8 @@ _CPU_DP2 = _cpu_parallel("cpu-dp2", what="data parallelism")
 # Experts split over TP too (ETP = TP, megatron-core's default): with EP1 and ETP1 megatron-core 0.16 treats the
 # experts as dense parameters and reduces their gradients over data-parallel ranks only, while under sequence
 # parallelism each TP rank's experts see only its half of the tokens (expert weights then differ from a
-# 1-process run by 1e-3 after one step; measured, tests/test_parallel_cpu.py).
+# 1-process run by 1e-3 after one step; measured, tests/test_parallel_cpu.py). bridge_ext.build refuses that
+# combination (MoE, TP > 1, EP1, ETP != TP) on any device.
 _CPU_TP2 = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence parallelism", tp=2)
 _CPU_TP2_MOE = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence parallelism, experts too", tp=2, etp=2)
 _CPU_PP2 = _cpu_parallel("cpu-pp2", what="two pipeline stages", pp=2)

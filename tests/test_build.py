@@ -191,6 +191,27 @@ def test_validation_errors_are_user_errors():
         validate_for_layout(cfg, gpus=8)
 
 
+@pytest.mark.parametrize(("overrides", "refused"), [
+    (["model.expert_tensor_parallel_size=1"], True),  # TP2 ETP1 EP1: experts' gradients reduced over DP only
+    ([], False),  # the cpu-tp2 layout itself: ETP2
+    (["model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"], False),  # EP2 reduces them
+])
+def test_moe_tp_without_etp_or_ep_is_refused_in_one_line(overrides, refused):
+    """TP2 with the experts neither TP-split (ETP = TP) nor EP-split trains them wrong (1e-3 off a 1-process
+    run after one step, on megatron-core 0.16, without an error): refused before Megatron starts."""
+    cfg = build_config(recipes.get_recipe("qwen3_moe_proxy_muon"), layout="cpu-tp2")
+    apply_user_overrides(cfg, overrides=overrides)
+    if not refused:
+        validate_for_layout(cfg, gpus=2)
+        return
+    with pytest.raises(UserError) as info:
+        validate_for_layout(cfg, gpus=2)
+    assert str(info.value) == (
+        "model.expert_tensor_parallel_size 1 with tensor_model_parallel_size 2 and expert_model_parallel_size 1 "
+        "trains the experts wrong (megatron-core reduces their gradients over data-parallel ranks only); set "
+        "model.expert_tensor_parallel_size=2 or model.expert_model_parallel_size > 1")
+
+
 def _leaves(tree, prefix=""):
     if isinstance(tree, dict):
         for key, value in tree.items():
