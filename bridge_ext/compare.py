@@ -13,7 +13,17 @@ reached.
 
 A recipe may carry its own overrides: ``--recipes qwen3_proxy_muon:optimizer.lr=1e-2,qwen3_proxy_adamw``.
 ``--sweep KEY=V1,V2,...`` runs every recipe once per value (several ``--sweep`` options are zipped): how
-the proxies' default learning rates were tuned (docs/cpu.md).
+the proxies' default learning rates were tuned (docs/cpu.md). The recipes may also be named before the
+overrides: ``nemo llm compare qwen3_proxy_muon qwen3_proxy_adamw --out DIR``.
+
+Fine-tuning recipes (``recipes.finetune``: ``<model>_sft_*``, ``<model>_lora_*``) compare the same way, from
+one pretrained checkpoint (``checkpoint.pretrained_checkpoint=DIR``, applied to every run) on one instruction
+set (``--data FILE.jsonl`` or ``stdlib-signatures``, the default): each worker runs ``nemo llm finetune``'s own
+path (``bridge_ext.finetune.command.run_finetune``), the training records in the order of ``--seed``
+(``dataset.seed``), the same for every run. Besides the training loss, each run's loss on the held-out split
+(``eval.jsonl``, Megatron Bridge's validation ``lm loss`` at every ``train.eval_interval`` and after the last
+iteration; also in the run's TensorBoard log ``runs/<run>/tb``) is compared: ``eval.csv`` and the console's
+held-out table.
 """
 
 from __future__ import annotations
@@ -41,8 +51,12 @@ DEFAULT_SMOOTH = 10
 # Keys that would give runs different token budgets or data; compare sets them itself.
 _BUDGET_KEYS = ("train.train_iters", "train.global_batch_size", "train.micro_batch_size", "model.seq_length",
                 "dataset.seq_length", "dataset.sequence_length", "rng.seed", "dataset.random_seed",
-                "dataset.blend", "dataset.split")
-_OUR_FILES = ("loss.csv", "loss.png", "summary.json", "runs")
+                "dataset.blend", "dataset.split", "dataset.seed", "dataset.dataset_root")
+_OUR_FILES = ("loss.csv", "eval.csv", "loss.png", "summary.json", "runs")
+_PRETRAIN_DATA = ("text", "mock")
+DEFAULT_FINETUNE_DATA = "stdlib-signatures"
+# Paths a worker (its own working directory) must see as the parent does.
+_PATH_KEYS = ("checkpoint.pretrained_checkpoint", "tokenizer.tokenizer_model")
 
 
 @dataclass
@@ -110,8 +124,20 @@ def summarize(losses: dict[str, list[float]], window: int = DEFAULT_SMOOTH) -> d
 
 
 # ---------------------------------------------------------------------------------------------- arguments
-def _parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
+def _all_recipes() -> dict[str, Any]:
+    """Pre-training and fine-tuning recipes by name (pure data)."""
     from recipes import RECIPES
+    from recipes.finetune import FINETUNE_RECIPES
+
+    return {**RECIPES, **FINETUNE_RECIPES}
+
+
+def is_finetune(recipe: Any) -> bool:
+    return hasattr(recipe, "mode")  # recipes.finetune.FinetuneRecipe
+
+
+def _parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
+    RECIPES = _all_recipes()
 
     entries: list[tuple[str, list[str]]] = []  # (recipe, its own overrides)
     for item in (n.strip() for n in recipes_arg.split(",")):
@@ -145,6 +171,10 @@ def _parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
     duplicate = next((label for label in labels if labels.count(label) > 1), None)
     if duplicate:
         raise UserError(f"run {duplicate} is listed twice")
+    kinds = {is_finetune(RECIPES[r.recipe]): r.recipe for r in runs}
+    if len(kinds) > 1:
+        raise UserError(f"compare runs pre-training or fine-tuning recipes, not both: {kinds[True]} fine-tunes, "
+                        f"{kinds[False]} pre-trains")
     for recipe in dict.fromkeys(r.recipe for r in runs):
         layout = RECIPES[recipe].layout()
         if layout.gpus != 1:
@@ -177,29 +207,40 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 # ------------------------------------------------------------------------------------------------- config
 def _configure(run: Run, *, iters: int, seed: int, data: str, common: list[str], quiet: bool):
-    """The run's ``ConfigContainer``: recipe, common and per-run overrides, then data, budget and seed."""
+    """The run's ``ConfigContainer``: recipe, common and per-run overrides, then data, budget and seed.
+
+    A fine-tuning recipe's data is not applied here (``bridge_ext.finetune.command.use_finetune_data`` renders
+    it from the pretrained checkpoint's tokenizer)."""
     from bridge_ext.build import build_config, resolve_for_run
     from bridge_ext.data import use_text_corpus
     from bridge_ext.overrides import apply_user_overrides
-    from recipes import get_recipe
 
-    recipe, overrides = get_recipe(run.recipe), []
+    recipe, overrides = _all_recipes()[run.recipe], []
     for item in [*common, *run.overrides]:
         key, _, value = item.partition("=")
         if key == "preset":  # a recipe part, like `nemo llm pretrain ... preset=NAME`
             recipe = recipe.with_preset(value)
         else:
             overrides.append(item)
-    cfg = build_config(recipe)
+    finetune = is_finetune(recipe)
+    if finetune:
+        from bridge_ext.finetune.build import build_finetune_config
+
+        cfg = build_finetune_config(recipe)
+    else:
+        cfg = build_config(recipe)
     apply_user_overrides(cfg, overrides=overrides)
     cfg.train.train_iters = iters
     resolve_for_run(cfg, recipe)  # schedule fractions -> iterations for this train_iters
     cfg.rng.seed = seed
-    cfg.dataset.random_seed = seed
     cfg.checkpoint.save = None
     cfg.checkpoint.load = None
     cfg.checkpoint.save_interval = None
     cfg.logger.tensorboard_dir = None
+    if finetune:
+        cfg.dataset.seed = seed  # the training records' order (bridge_ext.finetune.data)
+        return cfg, recipe, f"fine-tuning data {data}"
+    cfg.dataset.random_seed = seed
     description = "mock data (NullTokenizer)"
     if data == "text":
         description = use_text_corpus(cfg, quiet=quiet)
@@ -244,6 +285,16 @@ def train_one(spec: dict[str, Any], *, callbacks: Sequence[Any] = ()) -> None:
     # the parent's corpus, which it has prepared already
     data.CORPUS_MAX_BYTES = spec.get("corpus_max_bytes", data.CORPUS_MAX_BYTES)
     run = Run(spec["recipe"], spec["overrides"], spec["label"])
+    if spec.get("finetune"):
+        from bridge_ext.finetune.command import run_finetune
+
+        cfg, recipe, _ = _configure(run, iters=spec["iters"], seed=spec["seed"], data=spec["data"],
+                                    common=spec["common"], quiet=True)
+        cfg.logger.tensorboard_dir = spec["tensorboard"]  # Megatron Bridge's own record of the losses
+        run_finetune(recipe, cfg, data=spec["data"], device=spec["device"], callbacks=list(callbacks), quiet=True,
+                     record_dir=Path(spec["losses"]).parent, loss_extra={"config": _settings(cfg, recipe)},
+                     telemetry=False)
+        return
     # data="mock" here: training.prepare below sets the run's data (text corpus or mock) exactly once
     cfg, recipe, _ = _configure(run, iters=spec["iters"], seed=spec["seed"], data="mock", common=spec["common"],
                                 quiet=True)
@@ -289,8 +340,7 @@ def _run_worker(run: Run, spec: dict, run_dir: Path, progress, task) -> RunResul
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     start = time.time()
     with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "bridge_ext.compare", "--worker", str(spec_path)],
-                                cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = _launch_worker(spec_path, run_dir, env, log)
         try:
             while proc.poll() is None:
                 time.sleep(0.25)
@@ -314,6 +364,12 @@ def _run_worker(run: Run, spec: dict, run_dir: Path, progress, task) -> RunResul
     return RunResult(run.label, losses, loop, time.time() - start)
 
 
+def _launch_worker(spec_path: Path, run_dir: Path, env: dict[str, str], log: Any) -> subprocess.Popen:
+    """The worker process of one run (a seam: tests may run the same worker in their own process)."""
+    return subprocess.Popen([sys.executable, "-m", "bridge_ext.compare", "--worker", str(spec_path)],
+                            cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 def _free_port() -> int:
     import socket
 
@@ -329,7 +385,8 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(path: Path, results: list[RunResult], summary: dict[str, Any], title: str) -> None:
+def write_plot(path: Path, results: list[RunResult], summary: dict[str, Any], title: str,
+               evals: dict[str, dict[int, float]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,10 +400,16 @@ def write_plot(path: Path, results: list[RunResult], summary: dict[str, Any], ti
         ax.plot(steps, result.losses, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, smooth(result.losses, window), color=color, linewidth=1.8,
                 label=f"{result.label} (last {window}: {summary['runs'][result.label]['final_loss_mean']:.3f})")
+        held = (evals or {}).get(result.label)
+        if held:
+            steps_e = sorted(held)
+            ax.plot(steps_e, [held[s] for s in steps_e], color=color, linestyle="--", marker="o", markersize=4,
+                    label=f"{result.label} held-out (final {held[steps_e[-1]]:.3f})")
     ax.axhline(summary["target"], color="gray", linestyle=":", linewidth=1,
                label=f"best loss of the slowest run ({summary['target']:.3f})")
     ax.set_xlabel("iteration")
-    ax.set_ylabel(f"training loss (faint: per iteration; solid: mean of {window})")
+    ax.set_ylabel(f"training loss (faint: per iteration; solid: mean of {window})"
+                  + ("; dashed: held-out" if evals else ""))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -355,11 +418,103 @@ def write_plot(path: Path, results: list[RunResult], summary: dict[str, Any], ti
     plt.close(fig)
 
 
-def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed: int = DEFAULT_SEED,
-                data: str = "text", device: str = "auto", common: Sequence[str] = (), overwrite: bool = False,
+def _absolute(items: Sequence[str]) -> list[str]:
+    """Overrides naming a path, made absolute: a worker runs in its own directory."""
+    out = []
+    for item in items:
+        key, _, value = item.partition("=")
+        out.append(f"{key}={Path(value).absolute()}" if key in _PATH_KEYS and value else item)
+    return out
+
+
+def _check_data(data: str | None, finetune: bool) -> str:
+    """The run's data: text/mock for pre-training, a JSONL file or a shipped set for fine-tuning."""
+    if not finetune:
+        data = data or "text"
+        if data not in _PRETRAIN_DATA:
+            raise UserError(f"argument --data: invalid choice: {data!r} (pre-training runs: text or mock; "
+                            "fine-tuning runs: a JSONL file or stdlib-signatures)")
+        return data
+    from bridge_ext.finetune.instructions import BUILTIN_SETS
+
+    data = data or DEFAULT_FINETUNE_DATA
+    if data in _PRETRAIN_DATA:
+        raise UserError(f"--data {data} is pre-training data; fine-tuning runs take a JSONL file or "
+                        f"{', '.join(BUILTIN_SETS)}")
+    if data in BUILTIN_SETS:
+        return data
+    from bridge_ext.finetune.data import load_records
+
+    load_records(data)  # a missing, empty or malformed file: one line naming the problem
+    return str(Path(data).absolute())
+
+
+def _check_pretrained(runs: list[Run], common: list[str]) -> None:
+    """Every fine-tuning run names an existing pretrained checkpoint (checked before anything heavy loads)."""
+    for run in runs:
+        named = [v for k, _, v in (o.partition("=") for o in [*common, *run.overrides])
+                 if k == "checkpoint.pretrained_checkpoint"]
+        if not named or not named[-1]:
+            raise UserError("fine-tuning runs start from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR "
+                            "(a pre-training run or `nemo llm import` output)")
+        if not Path(named[-1]).is_dir():
+            raise UserError(f"checkpoint.pretrained_checkpoint={named[-1]} does not exist")
+
+
+def _check_finetune_runs(runs: list[Run], configured: dict[str, tuple[Any, Any]], data: str) -> str:
+    """Every fine-tuning run has a pretrained checkpoint of its model and reads the same rendered data."""
+    from bridge_ext.finetune.command import use_finetune_data
+
+    roots, line = {}, ""
+    for run in runs:
+        cfg, recipe = configured[run.label]
+        source, sft, tokenizer = use_finetune_data(recipe, cfg, data)  # renders once into the cache
+        roots[run.label] = sft.root
+        line = (f"fine-tuning data {source}: {sft.train} training records in the order of seed {cfg.dataset.seed}, "
+                f"{sft.validation} held out for the eval loss, rendered with {tokenizer}'s chat template ({sft.root})")
+        per_pass = cfg.train.eval_iters * cfg.train.global_batch_size
+        if per_pass != sft.validation:  # Megatron Bridge's validation iterator continues from pass to pass
+            line += (f"; each eval pass reads {per_pass} held-out records (train.eval_iters {cfg.train.eval_iters} "
+                     f"x global batch {cfg.train.global_batch_size}), not the {sft.validation} once: passes at "
+                     "different iterations see different records (every run the same ones)")
+    if len(set(roots.values())) > 1:
+        detail = "; ".join(f"{k}: {v}" for k, v in roots.items())
+        raise UserError(f"the runs would read different data ({detail}): their tokenizers differ; compare needs "
+                        "the same data for every run")
+    return line
+
+
+def write_eval_csv(path: Path, evals: dict[str, dict[int, float]]) -> None:
+    steps = sorted({step for by_step in evals.values() for step in by_step})
+    lines = ["iteration," + ",".join(evals)]
+    for step in steps:
+        lines.append(f"{step}," + ",".join(f"{e[step]:.6f}" if step in e else "" for e in evals.values()))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def format_evals(evals: dict[str, dict[int, float]]) -> str:
+    """The held-out loss of every run at every eval, the last (final) one marked."""
+    steps = sorted({step for by_step in evals.values() for step in by_step})
+    width = max(len("run"), *map(len, evals))
+    lines = [f"{'held-out loss':<{width}}  " + "  ".join(f"{f'at {s}':>8}" for s in steps)]
+    for label, by_step in evals.items():
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{by_step[s]:>8.4f}" if s in by_step else f"{'-':>8}"
+                                                       for s in steps))
+    finals = {label: by_step[max(by_step)] for label, by_step in evals.items() if by_step}
+    if len(finals) > 1:
+        best = min(finals, key=finals.get)
+        lines.append(f"lowest final held-out loss: {best} ({finals[best]:.4f})")
+    return "\n".join(lines)
+
+
+def run_compare(runs: list[Run], *, out: Path, iters: int | None = None, seed: int = DEFAULT_SEED,
+                data: str | None = None, device: str = "auto", common: Sequence[str] = (), overwrite: bool = False,
                 smooth_window: int = DEFAULT_SMOOTH, threads: int | None = None, quiet: bool = False
                 ) -> dict[str, Any]:
-    """Train every run on the same data, seed and token budget; write the CSV, plot and summary to ``out``."""
+    """Train every run on the same data, seed and token budget; write the CSV, plot and summary to ``out``.
+
+    ``iters``: default 200 for pre-training, the recipe's own length for fine-tuning. ``data``: text (default)
+    or mock for pre-training; a JSONL file or ``stdlib-signatures`` (default) for fine-tuning."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -372,6 +527,15 @@ def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed:
         if not sep or item.startswith("-"):
             raise UserError(f"unknown option or malformed override {item!r}; overrides look like KEY=VALUE")
         _check_not_budget(key, "an override")
+    first = _all_recipes()[runs[0].recipe]
+    finetune = is_finetune(first)
+    data = _check_data(data, finetune)
+    if iters is None:
+        iters = first.train_iters(first.layout()) if finetune else DEFAULT_ITERS
+    if finetune:
+        _check_pretrained(runs, common)
+    common = _absolute(common)
+    runs = [Run(r.recipe, _absolute(r.overrides), r.label) for r in runs]
 
     with console.status("loading Megatron Bridge and validating the runs ..."):
         from bridge_ext.build import quiet_megatron
@@ -389,12 +553,15 @@ def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed:
     with console.status("validating the runs ..."):
         from bridge_ext.build import validate_for_layout
 
-        budgets, description = {}, ""
+        budgets, description, configured = {}, "", {}
         for run in runs:
             cfg, recipe, description = _configure(run, iters=iters, seed=seed, data=data, common=common, quiet=True)
             # Megatron's and Megatron Bridge's own checks, before anything is written
             validate_for_layout(cfg, gpus=1, max_positions=recipe.model.hf_config.get("max_position_embeddings"))
             budgets[run.label] = _budget(cfg)
+            configured[run.label] = (cfg, recipe)
+        if finetune:
+            description = _check_finetune_runs(runs, configured, data)
     if len(set(budgets.values())) > 1:
         detail = "; ".join(f"{k}: GBS {b[0]} seq {b[1]}" for k, b in budgets.items())
         raise UserError(f"the runs have different token budgets ({detail}); compare needs equal ones")
@@ -427,9 +594,17 @@ def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed:
                     "seed": seed, "data": data, "common": common, "device": use_device, "threads": threads,
                     "corpus_max_bytes": corpus_max_bytes,
                     "losses": str((run_dir / "losses.jsonl").resolve())}
+            if finetune:
+                spec.update(finetune=True, tensorboard=str((run_dir / "tb").resolve()))
             results.append(_run_worker(run, spec, run_dir, progress, task))
 
     losses = {r.label: r.losses for r in results}
+    if finetune:
+        from bridge_ext.finetune.command import read_eval  # the last pass per iteration (the final one at the end)
+
+        evals = {run.label: read_eval(out / "runs" / run.dirname / "eval.jsonl") for run in runs}
+    else:
+        evals = None
     summary = summarize(losses, smooth_window)
     summary.update(iters=iters, global_batch_size=gbs, seq_length=seq, tokens_per_run=tokens, seed=seed,
                    data=description, device=use_device,
@@ -439,15 +614,23 @@ def run_compare(runs: list[Run], *, out: Path, iters: int = DEFAULT_ITERS, seed:
                    overrides={r.label: [*common, *next(x.overrides for x in runs if x.label == r.label)]
                               for r in results},
                    settings={run.label: _read_settings(out / "runs" / run.dirname / "losses.jsonl") for run in runs})
+    if evals is not None:
+        summary["eval"] = {label: {str(k): v for k, v in by_step.items()} for label, by_step in evals.items()}
+        summary["eval_final"] = {label: by_step[max(by_step)] if by_step else None
+                                 for label, by_step in evals.items()}
+        write_eval_csv(out / "eval.csv", evals)
     write_csv(out / "loss.csv", results)
     names = " vs ".join(r.label for r in results)
     names = names if len(names) <= 90 else f"{len(results)} runs"
     title = f"{names}\n{iters} iterations x {gbs} x {seq} tokens, seed {seed}"
-    write_plot(out / "loss.png", results, summary, title)
+    write_plot(out / "loss.png", results, summary, title, evals=evals)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if not quiet:
         print(format_summary(summary))
-        print(f"wrote {out / 'loss.csv'}, {out / 'loss.png'}, {out / 'summary.json'}")
+        if evals is not None:
+            print(format_evals(evals))
+        written = ["loss.csv", *(["eval.csv"] if evals is not None else []), "loss.png", "summary.json"]
+        print(f"wrote {', '.join(str(out / name) for name in written)}")
     return summary
 
 
@@ -484,8 +667,14 @@ def _positive(text: str) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    runs = _parse_runs(args.recipes, args.sweep or [])
-    if args.iters < 2:
+    named = [item for item in args.overrides if "=" not in item and not item.startswith("-")]
+    if named and args.recipes:
+        raise UserError(f"name the recipes once: --recipes {args.recipes} or {' '.join(named)}")
+    if not named and not args.recipes:
+        raise UserError("name two or more recipes: nemo llm compare A B --out DIR (or --recipes A,B)")
+    args.overrides = [item for item in args.overrides if item not in named]
+    runs = _parse_runs(args.recipes or ",".join(named), args.sweep or [])
+    if args.iters is not None and args.iters < 2:
         raise UserError(f"--iters {args.iters} is too few to compare curves")
     run_compare(runs, out=Path(args.out), iters=args.iters, seed=args.seed, data=args.data, device=args.device,
                 common=args.overrides, overwrite=args.overwrite, smooth_window=args.smooth, threads=args.threads)
@@ -499,17 +688,21 @@ def register(subparsers: Any) -> None:
         description="Runs every recipe (x every --sweep value) with Megatron Bridge's pretrain() in its own "
                     "process (CPU mode when no GPU is visible) and compares the per-iteration training loss.",
     )
-    p.add_argument("--recipes", required=True,
-                   help="comma-separated recipes, e.g. qwen3_proxy_muon,qwen3_proxy_adamw; "
-                        "RECIPE:KEY=VALUE[:KEY=VALUE] gives one run its own overrides")
-    p.add_argument("--iters", type=_positive, default=DEFAULT_ITERS,
-                   help=f"iterations per run (default {DEFAULT_ITERS})")
+    p.add_argument("--recipes",
+                   help="comma-separated recipes, e.g. qwen3_proxy_muon,qwen3_proxy_adamw (or name them before the "
+                        "overrides); RECIPE:KEY=VALUE[:KEY=VALUE] gives one run its own overrides. Fine-tuning "
+                        "recipes (e.g. qwen3_proxy_sft_muon,qwen3_proxy_sft_adamw) need "
+                        "checkpoint.pretrained_checkpoint=DIR and compare the held-out loss too")
+    p.add_argument("--iters", type=_positive, default=None,
+                   help=f"iterations per run (default {DEFAULT_ITERS}; fine-tuning: the recipe's own)")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier compare in --out")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                   help=f"model init and data order seed (default {DEFAULT_SEED})")
-    p.add_argument("--data", choices=("text", "mock"), default="text",
-                   help="text: the standard-library corpus (`nemo llm prepare-data`); mock: random tokens")
+                   help=f"model init and data order seed (default {DEFAULT_SEED}; fine-tuning: rng.seed and "
+                        "dataset.seed, the training records' order)")
+    p.add_argument("--data", default=None,
+                   help="pre-training: text (default; the standard-library corpus, `nemo llm prepare-data`) or mock "
+                        "(random tokens); fine-tuning: FILE.jsonl or stdlib-signatures (default, the shipped set)")
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
                    help="run every recipe once per value; repeated --sweep options are zipped")
     p.add_argument("--smooth", type=_positive, default=DEFAULT_SMOOTH,
@@ -518,7 +711,7 @@ def register(subparsers: Any) -> None:
                    help="auto: CPU mode when no GPU is visible")
     p.add_argument("--threads", type=_positive, help="torch threads per run (default: all cores)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="applied to every run, e.g. optimizer.clip_grad=0.5")
+                   help="applied to every run, e.g. optimizer.clip_grad=0.5 (recipe names may come first)")
     p.set_defaults(func=cmd_compare)
 
 

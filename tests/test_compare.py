@@ -101,15 +101,34 @@ def test_a_recipe_can_carry_its_own_overrides():
         (["--recipes", "qwen3_proxy_muon,qwen3_proxy_adamw", "--bogus"], "error: unrecognized arguments: --bogus"),
         (["--recipes", "qwen3_proxy_muon,qwen3_proxy_adamw", "--data", "web"],
          "error: argument --data: invalid choice"),
+        (["qwen3_proxy_muon", "qwen3_proxy_adamw", "--recipes", "qwen3_proxy_muon,qwen3_proxy_adamw"],
+         "error: name the recipes once"),
+        ([], "error: name two or more recipes"),
+        # fine-tuning recipes
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_muon"],
+         "error: compare runs pre-training or fine-tuning recipes, not both: qwen3_proxy_sft_muon fine-tunes, "
+         "qwen3_proxy_muon pre-trains"),
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "--data", "mock"],
+         "error: --data mock is pre-training data; fine-tuning runs take a JSONL file or stdlib-signatures"),
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "--data", "nope.jsonl"],
+         "error: data file nope.jsonl does not exist"),
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw"],
+         "error: fine-tuning runs start from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR"),
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "checkpoint.pretrained_checkpoint=nope"],
+         "error: checkpoint.pretrained_checkpoint=nope does not exist"),
+        (["qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "--sweep", "dataset.seed=1,2"],
+         "error: --sweep cannot set dataset.seed"),
+        (["qwen3_8b_sft_muon", "qwen3_8b_sft_adamw"], "error: qwen3_8b_sft_muon needs 8 GPUs"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "ab"
     assert nemo_llm(["compare", *args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message), err
     assert err.count("\n") == 1
-    assert not out.exists()
+    assert not out.exists() and not any(tmp_path.iterdir())
 
 
 def test_out_must_be_empty_or_overwritten(tmp_path, capsys):

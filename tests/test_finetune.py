@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,6 +142,37 @@ def test_shipped_instruction_set_pairs_docstrings_with_signatures():
         assert record["input"].startswith("Write the signature of the Python function documented as: ")
 
 
+@pytest.mark.once
+def test_training_order_follows_dataset_seed(tmp_path, monkeypatch):
+    """Megatron Bridge reads training.jsonl in file order: the recipe's dataset.seed orders the records we write."""
+    import argparse
+
+    from bridge_ext.finetune.command import resolve_finetune, use_finetune_data
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "output": f"a{i}"} for i in range(30)])
+
+    def order(seed: int | None, cache: str) -> tuple[list[int], list[int]]:
+        monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / cache))
+        args = argparse.Namespace(recipe="qwen3_proxy_sft_muon", preset=None, layout=None, yaml=None, dryrun=True,
+                                  to_yaml=None, overrides=[] if seed is None else [f"dataset.seed={seed}"])
+        recipe, _, cfg, _ = resolve_finetune(args)
+        _, sft, _ = use_finetune_data(recipe, cfg, data)
+        assert cfg.dataset.dataset_root == str(sft.root)
+        rows = [[int(json.loads(line)["output"].strip()[1:]) for line in (sft.root / f"{name}.jsonl").open()]
+                for name in ("training", "validation")]
+        return rows[0], rows[1]
+
+    train7, held7 = order(7, "c1")
+    train8, held8 = order(8, "c1")
+    again7, _ = order(7, "c2")  # rebuilt in another cache
+    default, _ = order(None, "c1")
+    assert sorted(train7) == sorted(train8) == [i for i in range(30) if i % 10 != 9]  # the same records
+    assert held7 == held8 == [9, 19, 29]  # held out in file order: every seed is evaluated on the same batches
+    assert train7 != train8 and train7 != sorted(train7)
+    assert again7 == train7
+    assert default not in (train7, sorted(train7))  # the recipe's own seed (5678) orders it too
+
+
 # ------------------------------------------------------------------------------------------- loss mask
 def test_loss_mask_covers_only_the_last_answer(tmp_path):
     """Megatron Bridge's own SFT dataset over our rendered file: prompt tokens (earlier turns too) carry no loss."""
@@ -245,6 +277,72 @@ def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
     assert list(again) == list(range(11, 21))
     assert again == {i: losses[i] for i in range(11, 21)}
     assert read_eval(resumed / "eval.jsonl")[20] == evals[20]
+
+
+def _tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every ``tag`` event Megatron Bridge wrote to the run's TensorBoard log, in order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = []
+    for events in sorted(run_dir.glob("tb/events.out.tfevents.*")):
+        for event in EventFileLoader(str(events)).Load():
+            for value in event.summary.value:
+                if value.tag == tag:
+                    out.append((event.step, value.simple_value if value.HasField("simple_value")
+                                else value.tensor.float_val[0]))
+    return out
+
+
+@pytest.mark.slow
+def test_compare_runs_finetune_recipes_on_the_held_out_split(proxy_ckpt, tmp_path, monkeypatch, capsys):
+    """`nemo llm compare` of two fine-tuning recipes: its held-out table is what Megatron Bridge itself logged."""
+    import contextlib
+    import csv
+
+    from bridge_ext import compare
+    from bridge_ext.cpu_mode import reset_megatron_globals
+
+    def in_this_process(spec_path, run_dir, env, log):
+        """compare's worker (`python -m bridge_ext.compare --worker SPEC`) here: Megatron is imported already."""
+        with monkeypatch.context() as m, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            m.chdir(run_dir)
+            reset_megatron_globals()
+            try:
+                code = compare.main(["--worker", str(spec_path)])
+            finally:
+                reset_megatron_globals()
+        return SimpleNamespace(poll=lambda: code, returncode=code, terminate=lambda: None)
+
+    monkeypatch.setattr(compare, "_launch_worker", in_this_process)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "ab"
+    assert nemo_llm(["compare", "qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "--data", "stdlib-signatures",
+                     "--iters", "4", "--out", str(out), "--device", "cpu", "--threads", "2",
+                     f"checkpoint.pretrained_checkpoint={proxy_ckpt}", "train.eval_interval=2",
+                     "scheduler.lr_warmup_iters=1"]) == 0
+    printed = capsys.readouterr().out
+    held_out = printed.split("held-out loss", 1)[1].splitlines()  # the console's held-out table
+    rows = list(csv.reader((out / "eval.csv").open()))
+    assert rows[0] == ["iteration", "qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw"]
+    table = {label: {int(r[0]): float(r[1 + i]) for r in rows[1:]} for i, label in enumerate(rows[0][1:])}
+    summary = json.loads((out / "summary.json").read_text())
+    first_losses = []
+    for label, column in table.items():
+        run = out / "runs" / label
+        logged = _tensorboard_scalars(run, "lm loss validation")  # Megatron Bridge's own validation log
+        # passes at 2 and 4, then the final pass at 4 (8 eval batches x 8 = the 64 held-out records: the same)
+        assert [step for step, _ in logged] == [2, 4, 4]
+        assert logged[1][1] == pytest.approx(logged[2][1], abs=1e-5)
+        assert list(column) == [2, 4]
+        for step, value in logged:
+            assert column[step] == pytest.approx(value, abs=2e-6)
+            assert summary["eval"][label][str(step)] == pytest.approx(value, rel=1e-6)
+            assert f"{value:.4f}" in next(line for line in held_out if line.startswith(label + " "))
+        first_losses.append(_tensorboard_scalars(run, "lm loss")[0])
+    # the same weights and the same first batch (data and order): the first training loss is equal
+    assert first_losses[0][0] == 1 and first_losses[0] == first_losses[1]
+    assert table["qwen3_proxy_sft_muon"][4] != table["qwen3_proxy_sft_adamw"][4]
+    assert "576 training records in the order of seed 1234, 64 held out" in summary["data"]
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["cmd_finetune", "register", "resolve_finetune", "run_finetune"]
+__all__ = ["cmd_finetune", "register", "resolve_finetune", "run_finetune", "use_finetune_data"]
 
 # Architecture fields a pretrained checkpoint must share with the recipe's model (run_config.yaml "model").
 _ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -222,33 +222,49 @@ def _cache() -> Path:
     return cache_root()
 
 
-def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto", callbacks: list[Any] = (),
-                 quiet: bool = False) -> Path:
-    """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory.
+def use_finetune_data(recipe: Any, cfg: Any, data: str | Path) -> tuple[Path, Any, Path]:
+    """Check the pretrained checkpoint, render ``data`` with its tokenizer in the order of ``dataset.seed`` and
+    point ``cfg`` at it. Returns ``(data file, SFTData, tokenizer directory)``.
 
     ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``)."""
-    from bridge_ext import training
     from bridge_ext.finetune.data import prepare_sft_data
     from bridge_ext.finetune.instructions import BUILTIN_SETS
 
-    say = print if _is_rank_zero() and not quiet else (lambda *a, **k: None)
     pretrained = cfg.checkpoint.pretrained_checkpoint
     ckpt = Path(str(pretrained)) if pretrained else None
     iter_dir = _check_architecture(recipe, cfg, ckpt) if ckpt else None
     tokenizer = _tokenizer_dir(recipe, cfg, ckpt or Path(str(cfg.checkpoint.load)), iter_dir or Path("."))
     data = BUILTIN_SETS[str(data)](_cache()) if str(data) in BUILTIN_SETS else Path(data)
-    prepared_data = prepare_sft_data(data, tokenizer, cache=_cache())
+    prepared_data = prepare_sft_data(data, tokenizer, cache=_cache(), seed=cfg.dataset.seed)
     cfg.dataset.dataset_root = str(prepared_data.root)
     cfg.tokenizer.tokenizer_model = str(tokenizer)
+    return data, prepared_data, tokenizer
+
+
+def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto", callbacks: list[Any] = (),
+                 quiet: bool = False, record_dir: Path | None = None, loss_extra: dict[str, Any] | None = None,
+                 telemetry: bool = True) -> Path:
+    """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory.
+
+    ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``). On CPU the training and
+    held-out losses go to ``losses.jsonl`` / ``eval.jsonl`` in ``record_dir`` (default: the run directory;
+    ``loss_extra`` is the first line of ``losses.jsonl``, as ``nemo llm compare`` writes it)."""
+    from bridge_ext import training
+
+    say = print if _is_rank_zero() and not quiet else (lambda *a, **k: None)
+    data, prepared_data, tokenizer = use_finetune_data(recipe, cfg, data)
     say(f"data: {data}: {prepared_data.train} training and {prepared_data.validation} held-out records, rendered "
-        f"with {tokenizer}'s chat template ({prepared_data.root})", file=sys.stderr)
-    prepared = training.prepare(recipe, cfg, device=device, quiet=quiet)
+        f"with {tokenizer}'s chat template, training order of seed {cfg.dataset.seed} ({prepared_data.root})",
+        file=sys.stderr)
+    prepared = training.prepare(recipe, cfg, device=device, quiet=quiet, telemetry=telemetry)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
     run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")
+    records = Path(record_dir) if record_dir is not None else run_dir
     recorders = []
-    if prepared.use_cpu:
-        recorders = [training.loss_recorder(run_dir / "losses.jsonl"), eval_recorder(run_dir / "eval.jsonl")]
+    if prepared.use_cpu or record_dir is not None:
+        recorders = [training.loss_recorder(records / "losses.jsonl", extra=loss_extra),
+                     eval_recorder(records / "eval.jsonl")]
     # megatron.bridge.training.finetune.finetune() is this check followed by pretrain(config, forward_step); it
     # takes no callbacks, so the same check is made here and pretrain() runs with them (bridge_ext.training).
     if cfg.checkpoint.pretrained_checkpoint is None and cfg.checkpoint.load is None:
@@ -263,7 +279,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
         recorders.append(merged_lora_saver(Path(cfg.checkpoint.save) / MERGED_DIR, tokenizer_dir=tokenizer))
     training.run_pretrain(cfg, prepared, callbacks=[*recorders, *callbacks])
     if prepared.use_cpu:
-        evals = read_eval(run_dir / "eval.jsonl")
+        evals = read_eval(records / "eval.jsonl")
         if evals:
             first, last = next(iter(evals.items())), list(evals.items())[-1]
             say(f"eval loss (held-out): {first[1]:.4f} at iteration {first[0]} -> {last[1]:.4f} at {last[0]}")

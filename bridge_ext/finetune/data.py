@@ -17,6 +17,12 @@ puts loss on every token).
 Files go to a cache directory keyed by the data's bytes and the tokenizer's files
 (``$MUON_RECIPES_CACHE/sft/<key>/training.jsonl`` + ``validation.jsonl``: every ``VAL_EVERY``-th record
 held out); nothing is written before every record has been read, checked and rendered.
+
+The data-order seed: Megatron Bridge's SFT dataset reads ``training.jsonl`` in file order (its
+``max_train_samples`` mapping shuffles with a fixed seed, 1, not ``dataset.seed``), so two seeds of a full SFT
+run would see the same batches. ``prepare_sft_data(..., seed=S)`` writes the training records in the order
+of ``random.Random(S).shuffle`` (a directory per seed; the run passes ``dataset.seed``); the held-out records
+stay in file order, so every seed is evaluated on the same batches.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -137,8 +144,10 @@ def sft_dataset_kwargs() -> dict[str, Any]:
             "answer_only_loss": True, "add_eos": True, "add_bos": False, "add_sep": False}
 
 
-def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path) -> SFTData:
-    """Check and render ``data`` with the tokenizer in ``tokenizer_dir``; write the split once per content."""
+def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path, seed: int | None = None) -> SFTData:
+    """Check and render ``data`` with the tokenizer in ``tokenizer_dir``; write the split once per content.
+
+    ``seed``: the training records' order (``random.Random(seed).shuffle``); None keeps the file order."""
     from transformers import AutoTokenizer
 
     data, tokenizer_dir = Path(data), Path(tokenizer_dir)
@@ -153,8 +162,12 @@ def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path
     rendered = render_records(tokenizer, records, name=str(tokenizer_dir))
     key = hashlib.sha256(f"format={_FORMAT}\0{VAL_EVERY}\0".encode() + data.read_bytes()
                          + tokenizer_files_digest(tokenizer_dir).encode()).hexdigest()[:20]
+    if seed is not None:
+        key += f"-s{int(seed)}"
     held = {i for i in range(len(rendered)) if i % VAL_EVERY == VAL_EVERY - 1} or {len(rendered) - 1}
     train = [r for i, r in enumerate(rendered) if i not in held]
+    if seed is not None:
+        random.Random(int(seed)).shuffle(train)
     validation = [r for i, r in enumerate(rendered) if i in held]
     final = cache / "sft" / key
     if (final / "validation.jsonl").is_file():
@@ -172,7 +185,8 @@ def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path
                 for row in rows:
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
         (tmp / "source.json").write_text(json.dumps({"data": str(data.absolute()), "tokenizer": str(tokenizer_dir),
-                                                     "train": len(train), "validation": len(validation)}) + "\n")
+                                                     "train": len(train), "validation": len(validation),
+                                                     "seed": seed}) + "\n")
         try:
             tmp.rename(final)
         except OSError:  # a concurrent process put the same content in place
