@@ -34,21 +34,26 @@ def _err(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- recipes
-def cmd_recipes(args: argparse.Namespace) -> int:
-    from recipes import RECIPES
+def _task(recipe) -> str:
+    return getattr(recipe, "mode", "pretrain")  # fine-tuning recipes: sft or lora
 
-    rows = [(recipe, recipe.layout()) for recipe in RECIPES.values()]
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from recipes.finetune import ALL_RECIPES
+
+    rows = [(recipe, recipe.layout()) for recipe in ALL_RECIPES.values()]
     if args.json:
         print(json.dumps([_info(recipe, None) for recipe, _ in rows], indent=2))
         return 0
-    header = f"{'recipe':<24} {'model':<17} {'optimizer':<16} {'default layout':<52} other layouts"
+    header = (f"{'recipe':<27} {'model':<17} {'task':<8} {'optimizer':<20} {'default layout':<52} other layouts")
     print(header)
     for recipe, layout in rows:
         p = layout.parallelism()
         shape = f"{layout.cluster}: TP{p['tp']} PP{p['pp']}" + (f" VP{p['vp']}" if p["vp"] else "")
         shape += (f" EP{p['ep']}" if p["ep"] > 1 else "") + f" DP{p['dp']} GBS{layout.global_batch_size}"
         others = ", ".join(name for name in recipe.layouts if name != recipe.default_layout) or "-"
-        print(f"{recipe.name:<24} {recipe.model.display:<17} {recipe.preset.name:<16} {shape:<52} {others}")
+        print(f"{recipe.name:<27} {recipe.model.display:<17} {_task(recipe):<8} {recipe.preset.name:<20} "
+              f"{shape:<52} {others}")
     return 0
 
 
@@ -56,8 +61,13 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def _info(recipe, layout_name: str | None) -> dict[str, Any]:
     layout = recipe.layout(layout_name)
     model = recipe.model
+    finetune = ({"base_recipe": recipe.base, "lora": dict(recipe.lora) or None,
+                 "data": "--data FILE.jsonl or stdlib-signatures; loss on the answer tokens only"}
+                if _task(recipe) != "pretrain" else {})
     return {
         "name": recipe.name,
+        "task": _task(recipe),
+        **finetune,
         "model": model.display,
         "model_type": model.hf_config["model_type"],
         "architecture": model.hf_config["architectures"][0],
@@ -82,9 +92,9 @@ def _info(recipe, layout_name: str | None) -> dict[str, Any]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from recipes import get_recipe
+    from recipes.finetune import get_any_recipe
 
-    recipe = get_recipe(args.recipe)
+    recipe = get_any_recipe(args.recipe)
     info = _info(recipe.with_preset(args.preset) if args.preset else recipe, args.layout)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -315,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     llm = groups.add_parser("llm", help="LLM recipes")
     sub = llm.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("recipes", help="list every recipe: model, optimizer preset, default layout")
+    p = sub.add_parser("recipes", help="list every recipe (pre-training, then fine-tuning: sft, lora): model, "
+                                       "optimizer preset, default layout")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_recipes)
 

@@ -126,10 +126,9 @@ def summarize(losses: dict[str, list[float]], window: int = DEFAULT_SMOOTH) -> d
 # ---------------------------------------------------------------------------------------------- arguments
 def _all_recipes() -> dict[str, Any]:
     """Pre-training and fine-tuning recipes by name (pure data)."""
-    from recipes import RECIPES
-    from recipes.finetune import FINETUNE_RECIPES
+    from recipes.finetune import ALL_RECIPES
 
-    return {**RECIPES, **FINETUNE_RECIPES}
+    return ALL_RECIPES
 
 
 def is_finetune(recipe: Any) -> bool:

@@ -2,6 +2,11 @@
 fully resolved config) and ``docs/recipes.md`` (one card per recipe).
 
 ``python -m bridge_ext.generate --check`` exits 1 when a shipped file differs from its recipe.
+
+The pre-training recipes only: a fine-tuning recipe's config is completed at run time (the rendered data's
+cache directory, keyed by the data, the tokenizer and the seed; the tokenizer of the pretrained checkpoint),
+so a shipped file could not be run as it is; ``nemo llm finetune --recipe NAME --data FILE --to-yaml OUT``
+writes the resolved one on the user's stack, and docs/finetune.md is the fine-tuning recipes' card.
 """
 
 from __future__ import annotations

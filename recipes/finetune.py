@@ -36,7 +36,8 @@ from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS
 from recipes.optimizers import KIMI_K2, MOONLIGHT, OptimizerPreset, adamw_twin, derive
 
-__all__ = ["FINETUNE_PRESETS", "FINETUNE_RECIPES", "FinetuneRecipe", "LORA_DEFAULTS", "Mode", "get_finetune_recipe"]
+__all__ = ["ALL_RECIPES", "FINETUNE_PRESETS", "FINETUNE_RECIPES", "FinetuneRecipe", "LORA_DEFAULTS", "Mode",
+           "get_any_recipe", "get_finetune_recipe"]
 
 Mode = Literal["sft", "lora"]
 
@@ -161,3 +162,19 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
                 if name in RECIPES else closest(name, FINETUNE_RECIPES))
         raise UserError(f"unknown fine-tuning recipe '{name}'{hint}; `nemo llm finetune --list` lists them")
     return FINETUNE_RECIPES[name]
+
+
+def _all_recipes() -> dict[str, Recipe]:
+    from recipes import RECIPES
+
+    return {**RECIPES, **FINETUNE_RECIPES}
+
+
+ALL_RECIPES: dict[str, Recipe] = _all_recipes()  # pre-training, then fine-tuning (`nemo llm recipes`, `info`, compare)
+
+
+def get_any_recipe(name: str) -> Recipe:
+    """A pre-training or fine-tuning recipe by name; a ``UserError`` naming the closest of either otherwise."""
+    if name not in ALL_RECIPES:
+        raise UserError(f"unknown recipe '{name}'{closest(name, ALL_RECIPES)}; `nemo llm recipes` lists them")
+    return ALL_RECIPES[name]

@@ -25,9 +25,30 @@ def test_recipes_lists_every_recipe_with_preset_and_layout(capsys):
     code, out, _ = run_main(capsys, "llm", "recipes")
     assert code == 0
     lines = out.strip().splitlines()[1:]
-    assert len(lines) == 24
+    assert len(lines) == 24 + 48  # 12 models x (muon, adamw) pre-training; x (sft, lora) x (muon, adamw) fine-tuning
     kimi = next(line for line in lines if line.startswith("kimi_k2_muon "))
     assert " kimi_k2 " in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
+    # fine-tuning: Megatron Bridge's packed SFT batch of 8 (one pack per DP rank on Kimi K2's DP64)
+    sft = next(line for line in lines if line.startswith("qwen3_8b_sft_muon "))
+    assert sft.split()[1:4] == ["Qwen3-8B", "sft", "moonlight_sft"] and "h100x8: TP4 PP1 DP2 GBS8" in sft
+    lora = next(line for line in lines if line.startswith("kimi_k2_lora_adamw "))
+    assert " lora " in lora and "DP64 GBS64" in lora
+
+
+def test_info_describes_a_finetune_recipe(capsys):
+    code, out, _ = run_main(capsys, "llm", "info", "--recipe", "qwen3_8b_lora_muon", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert (info["task"], info["base_recipe"], info["twin"]) == ("lora", "qwen3_8b_muon", "qwen3_8b_lora_adamw")
+    # Megatron Bridge 0.3's _peft_common: LoRA dim 32, alpha 32 on the four linear layers, lr 1e-4, 50 warm-up
+    assert (info["lora"]["dim"], info["lora"]["alpha"]) == (32, 32)
+    assert info["lora"]["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert (info["optimizer"]["lr"], info["scheduler"]["lr_warmup_iters"]) == (1e-4, 50)
+    assert (info["global_batch_size"], info["micro_batch_size"], info["seq_length"]) == (8, 1, 2048)
+    assert info["run"]["train_iters"] == 1000 and info["run"]["tokens_per_step"] == 8 * 2048
+    code, _, err = run_main(capsys, "llm", "info", "--recipe", "qwen3_8b_lora_moun")
+    assert code == 2 and err == ("error: unknown recipe 'qwen3_8b_lora_moun' (did you mean 'qwen3_8b_lora_muon'?); "
+                                 "`nemo llm recipes` lists them\n")
 
 
 def test_info_json_for_qwen3_8b(capsys):

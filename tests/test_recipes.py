@@ -171,6 +171,7 @@ def test_recipes_and_info_answer_without_importing_torch_or_megatron():
         "from bridge_ext.cli import main\n"
         "assert main(['llm', 'recipes']) == 0\n"
         "assert main(['llm', 'info', '--recipe', 'kimi_k2_muon', '--json']) == 0\n"
+        "assert main(['llm', 'info', '--recipe', 'kimi_k2_lora_muon', '--json']) == 0\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers'})\n"
         "assert not heavy, heavy\n"
     )
