@@ -4,10 +4,10 @@
 
 For each proxy: its ``<proxy>_muon`` pre-training recipe (default length) makes the base checkpoint; then
 ``<proxy>_{sft,lora}_{muon,adamw}`` fine-tune it on the shipped instruction set (``--data
-stdlib-signatures``) with each seed (``rng.seed`` and ``dataset.seed``; full SFT from a checkpoint is
-deterministic and reads the records in file order, so only LoRA's initialization varies: docs/finetune.md). The
-held-out loss (the same 64 records every pass) is read from each run's ``eval.jsonl``. Prints a Markdown
-table (docs/finetune.md) and writes ``results.json``. Every run goes through ``nemo llm`` itself.
+stdlib-signatures``) with each seed (``rng.seed``: LoRA's initialization; ``dataset.seed``: the order of the
+training records, docs/finetune.md "Data order"). The held-out loss (the same 64 records every pass) is read
+from each run's ``eval.jsonl``. Prints a Markdown table (docs/finetune.md) and writes ``results.json``. Every
+run goes through ``nemo llm`` itself.
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{proxy}_{recipe} seed {seed}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
                 results[proxy][recipe][seed] = evals(run)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print("| proxy | recipe | held-out loss at 10 | at 20 | at 40 (final) | seeds |")
-    print("|---|---|---|---|---|---|")
+    print("| proxy | recipe | held-out loss at 10 | at 20 | at 30 | at 40 (final) | seeds |")
+    print("|---|---|---|---|---|---|---|")
     for proxy, by_recipe in results.items():
         for recipe, by_seed in by_recipe.items():
             cells = []
-            for step in (10, 20, 40):
+            for step in (10, 20, 30, 40):
                 values = [e[step] for e in by_seed.values() if step in e]
                 cells.append(f"{statistics.mean(values):.3f} ± {abs(values[0] - values[-1]) / 2:.3f}")
             print(f"| {proxy} | `{proxy}_{recipe}` | {' | '.join(cells)} | {len(by_seed)} |")
