@@ -294,6 +294,7 @@ def _tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.once  # orchestration; fine-tuning itself trains on each stack (the LoRA and architecture tests)
 def test_compare_runs_finetune_recipes_on_the_held_out_split(proxy_ckpt, tmp_path, monkeypatch, capsys):
     """`nemo llm compare` of two fine-tuning recipes: its held-out table is what Megatron Bridge itself logged."""
     import contextlib
