@@ -11,6 +11,7 @@ import yaml
 
 from bridge_ext import cli
 from tests.stack_shapes import config_differences
+from tests.warm_cli import run_nemo
 
 NEMO = str(Path(sys.executable).with_name("nemo"))
 
@@ -131,6 +132,7 @@ def nemo_run_llm_group(tmp_path):
     return {**os.environ, "PYTHONPATH": str(site), "LLM_PRETRAIN_OUT": str(tmp_path / "out.json")}
 
 
+@pytest.mark.once  # NeMo-Run 0.8.0 on every stack
 @pytest.mark.slow
 def test_nemo_run_factory_command_reaches_nemo_run_unchanged(nemo_run_llm_group, tmp_path):
     """`nemo llm pretrain --factory NAME key=value` (no --recipe) runs NeMo-Run's own CLI: the factory's
@@ -141,6 +143,7 @@ def test_nemo_run_factory_command_reaches_nemo_run_unchanged(nemo_run_llm_group,
     assert json.loads((tmp_path / "out.json").read_text()) == {"max_steps": 7, "name": "override"}
 
 
+@pytest.mark.once  # NeMo-Run 0.8.0 on every stack
 @pytest.mark.slow
 def test_nemo_run_commands_and_help_come_from_nemo_run(nemo_run_llm_group):
     from nemo_run.cli import experiment
@@ -157,8 +160,7 @@ def test_nemo_run_commands_and_help_come_from_nemo_run(nemo_run_llm_group):
 
 @pytest.mark.slow
 def test_dryrun_of_kimi_k2_prints_summary_and_the_shipped_yaml():
-    result = subprocess.run([NEMO, "llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun"],
-                            capture_output=True, text=True)
+    result = run_nemo(["llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun"])
     assert result.returncode == 0, result.stderr
     summary, _, resolved = result.stdout.partition("---\n")
     assert "TP1 PP4 VP4 EP64 ETP1 CP1 DP64 on 256 GPUs" in summary
@@ -295,10 +297,10 @@ def test_info_with_another_preset(capsys):
 def test_cpu_pretrain_on_text_writes_checkpoint_and_loss_curve(tmp_path):
     """`nemo llm pretrain` of a proxy with no GPU: real text, checkpoint, TensorBoard log and loss curve."""
     run = tmp_path / "run"
-    result = subprocess.run(
-        [NEMO, "llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--device", "cpu", "train.train_iters=12",
+    result = run_nemo(
+        ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--device", "cpu", "train.train_iters=12",
          f"checkpoint.save={run}/ckpt", f"checkpoint.load={run}/ckpt", f"logger.tensorboard_dir={run}/tb"],
-        capture_output=True, text=True, cwd=tmp_path)
+        cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "CPU mode" in result.stderr and "data: " in result.stderr and "stdlib" in result.stderr
     assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"

@@ -26,6 +26,7 @@ from bridge_ext.convert.model import _bridge_for, _prepare_runtime
 from bridge_ext.convert.parallel import _distributed, _init_parallel
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
+from tests.warm_cli import run_nemo
 
 REPO = Path(__file__).resolve().parents[1]
 NEMO = Path(sys.executable).with_name("nemo")  # the venv under test (each stack has its own)
@@ -620,13 +621,13 @@ def test_import_pretrain_export_cycle_with_a_recipe(tmp_path):
     raw = json.loads(shipped.read_text())
     hf = hf_fixtures.write_hf_dir(tmp_path / "hf", raw, dtype=raw["torch_dtype"], config_json=raw, seed=5)
     import_hf(hf, tmp_path / "mg", progress=False, console=None)
-    result = subprocess.run(
-        [str(NEMO), "llm", "pretrain", "--recipe", "kimi_k2_proxy_muon", "train.train_iters=2",
+    result = run_nemo(
+        ["llm", "pretrain", "--recipe", "kimi_k2_proxy_muon", "train.train_iters=2",
          # lr 0 freezes the weights; the expert-score bias moves at its own rate (aux-loss-free balancing)
          "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
          f"checkpoint.pretrained_checkpoint={tmp_path / 'mg'}",
          f"checkpoint.save={tmp_path / 'run'}", "checkpoint.save_interval=2"],
-        capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=tmp_path,
+        timeout=400, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"successfully loaded checkpoint from {tmp_path / 'mg'}" in result.stdout + result.stderr
@@ -667,17 +668,11 @@ def test_sigterm_during_import_leaves_nothing(qwen3_hf, tmp_path):
 @pytest.mark.slow
 def test_cli_import_verify_and_export(qwen3_hf, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    result = subprocess.run(
-        [str(NEMO), "llm", "import", "--hf", str(qwen3_hf), "--out", str(tmp_path / "mg"), "--verify"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    result = run_nemo(["llm", "import", "--hf", qwen3_hf, "--out", tmp_path / "mg", "--verify"], timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("import: 25 tensors") and "verified: max |logit diff|" in last, result.stdout
-    result = subprocess.run(
-        [str(NEMO), "llm", "export", "--ckpt", str(tmp_path / "mg"), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    result = run_nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf"], timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("export: 25 tensors")
     assert all(load_all(tmp_path / "hf")[k].equal(v) for k, v in load_all(qwen3_hf).items())

@@ -7,10 +7,8 @@ token ids of hand-written rendered strings from the HF tokenizer, transformers' 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ import pytest
 
 from bridge_ext import cli
 from bridge_ext.errors import UserError
+from tests.warm_cli import run_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY_TOKENIZER = ROOT / "recipes" / "tokenizer"
@@ -235,9 +234,7 @@ def test_dryrun_validates_the_full_config(tmp_path, capsys, recipe, shown):
 
 # ------------------------------------------------------------------------------------ training (CPU proxies)
 def _run(argv: list[str], *, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "bridge_ext.cli", "llm", *argv], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = run_nemo(["llm", *argv], cwd=cwd, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

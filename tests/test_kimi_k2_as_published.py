@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 import recipes
+from tests.warm_cli import run_nemo
 
 # The papers' numbers.
 PEAK_LR, FINAL_LR, WARMUP_STEPS = 2e-4, 2e-5, 500
@@ -120,8 +119,8 @@ def test_kimi_k2_initialization_is_deepseek_v3s(name):
 
 
 def _cli(*args: str) -> str:
-    code = "import sys\nfrom bridge_ext.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-    result = subprocess.run([sys.executable, "-c", code, "llm", *args], capture_output=True, text=True, check=True)
+    result = run_nemo(["llm", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bridge_ext.cli import main
+from tests.warm_cli import run_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,8 +23,7 @@ def kimi_sbatch(tmp_path_factory):
     argv = ["llm", "pretrain", "--recipe", "kimi_k2_muon", "--executor", "slurm", "--account", "acct",
             "--partition", "batch", "--container-mounts", "/lustre/data:/data", "--job-dir", str(job_dir), "--dryrun"]
     home = tmp_path_factory.mktemp("nemorun_home")
-    run = subprocess.run([sys.executable, "-m", "bridge_ext.cli", *argv], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "NEMORUN_HOME": str(home)}, timeout=600)
+    run = run_nemo(argv, cwd=ROOT, env={**os.environ, "NEMORUN_HOME": str(home)}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return {"script": run.stdout, "job_dir": job_dir, "home": home}
 

@@ -16,15 +16,14 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bridge_ext import corpus
 from bridge_ext.data import PROXY_TOKENIZER_DIR
+from tests.warm_cli import run_nemo
 
-NEMO = str(Path(sys.executable).with_name("nemo"))
 
 # Kimi K2's pre-tokenizer pattern as published in its tokenization_kimi.py (TikTokenTokenizer.pat_str),
 # written out here independently of bridge_ext.tokenizers.
@@ -339,9 +338,8 @@ def _document_ranges(prefix: str) -> dict[str, set[int]]:
 
 def _pretrain(tmp_path: Path, argv: list[str], *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
     run = tmp_path / "run"
-    result = subprocess.run([NEMO, "llm", *argv, "--device", "cpu", *overrides, f"checkpoint.save={run}",
-                             f"checkpoint.load={run}", f"logger.tensorboard_dir={run}/tb"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    result = run_nemo(["llm", *argv, "--device", "cpu", *overrides, f"checkpoint.save={run}", f"checkpoint.load={run}",
+                       f"logger.tensorboard_dir={run}/tb"], cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, run
 
