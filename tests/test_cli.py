@@ -374,6 +374,14 @@ def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_p
     real = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert real.returncode == 0, real.stderr[-2000:]
     assert real.stderr.count(warning) == 1, real.stderr[-4000:]
+    # the same command forked from the tests' warm process (run_nemo) computes the same losses, bit for bit
+    (tmp_path / "warm").mkdir()
+    warm = run_nemo(argv[3:], cwd=tmp_path / "warm")
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    records = [map(json.loads, (cwd / "nemo_experiments" / "qwen3_proxy_muon" / "checkpoints" / "losses.jsonl")
+                   .read_text().splitlines()) for cwd in (tmp_path, tmp_path / "warm")]
+    losses = [[r["loss"] for r in run if "loss" in r] for run in records]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
     # each of Megatron's messages once (without Apex, megatron-core raises "Apex is not installed. Falling back
     # to Torch Norm" from four modules)
     megatron = [line.split("Warning: ", 1)[1] for line in real.stderr.splitlines()
