@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -90,10 +89,8 @@ def test_local_executor_trains_a_proxy_with_two_processes(tmp_path):
     job_dir, ckpt = tmp_path / "jobs", tmp_path / "ckpt"
     overrides = ["train.train_iters=2", "logger.log_interval=1", "checkpoint.save_interval=2",
                  f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"]
-    run = subprocess.run([sys.executable, "-m", "bridge_ext.cli", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
-                          "--layout", "cpu-dp2", "--executor", "local", "--job-dir", str(job_dir), *overrides],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         timeout=900)
+    run = run_nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--layout", "cpu-dp2", "--executor", "local",
+                    "--job-dir", job_dir, *overrides], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "[default0]" in out and "[default1]" in out  # torchrun's two ranks
