@@ -315,9 +315,9 @@ def test_compare_runs_finetune_recipes_on_the_held_out_split(proxy_ckpt, tmp_pat
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "ab"
     assert nemo_llm(["compare", "qwen3_proxy_sft_muon", "qwen3_proxy_sft_adamw", "--data", "stdlib-signatures",
-                     "--iters", "4", "--out", str(out), "--device", "cpu", "--threads", "2",
-                     f"checkpoint.pretrained_checkpoint={proxy_ckpt}", "train.eval_interval=2",
-                     "scheduler.lr_warmup_iters=1"]) == 0
+                     "--iters", "2", "--out", str(out), "--device", "cpu", "--threads", "2",
+                     f"checkpoint.pretrained_checkpoint={proxy_ckpt}", "train.eval_interval=1",
+                     "train.eval_iters=1", "scheduler.lr_warmup_iters=1"]) == 0
     printed = capsys.readouterr().out
     held_out = printed.split("held-out loss", 1)[1].splitlines()  # the console's held-out table
     rows = list(csv.reader((out / "eval.csv").open()))
@@ -328,19 +328,22 @@ def test_compare_runs_finetune_recipes_on_the_held_out_split(proxy_ckpt, tmp_pat
     for label, column in table.items():
         run = out / "runs" / label
         logged = _tensorboard_scalars(run, "lm loss validation")  # Megatron Bridge's own validation log
-        # passes at 2 and 4, then the final pass at 4 (8 eval batches x 8 = the 64 held-out records: the same)
-        assert [step for step, _ in logged] == [2, 4, 4]
-        assert logged[1][1] == pytest.approx(logged[2][1], abs=1e-5)
-        assert list(column) == [2, 4]
-        for step, value in logged:
+        # passes at 1 and 2, then the final pass after iteration 2: the table keeps the last pass per iteration
+        assert [step for step, _ in logged] == [1, 2, 2]
+        assert list(column) == [1, 2]
+        for step, value in (logged[0], logged[2]):
             assert column[step] == pytest.approx(value, abs=2e-6)
             assert summary["eval"][label][str(step)] == pytest.approx(value, rel=1e-6)
             assert f"{value:.4f}" in next(line for line in held_out if line.startswith(label + " "))
         first_losses.append(_tensorboard_scalars(run, "lm loss")[0])
-    # the same weights and the same first batch (data and order): the first training loss is equal
+    # the same weights and the same first batch (data and order): the first training loss is equal; the first
+    # step's learning rate is 0 (warm-up from 0), so both models are still the checkpoint at the first eval
     assert first_losses[0][0] == 1 and first_losses[0] == first_losses[1]
-    assert table["qwen3_proxy_sft_muon"][4] != table["qwen3_proxy_sft_adamw"][4]
-    assert "576 training records in the order of seed 1234, 64 held out" in summary["data"]
+    muon, adamw = table["qwen3_proxy_sft_muon"], table["qwen3_proxy_sft_adamw"]
+    assert muon[1] == adamw[1] and muon[2] != adamw[2]
+    assert "576 training records in the order of seed 1234, 64 held out" in summary["data"]  # 640 records, every 10th
+    assert ("each eval pass reads 8 held-out records (train.eval_iters 1 x global batch 8), not the 64"
+            in summary["data"])
 
 
 @pytest.mark.slow
