@@ -9,7 +9,9 @@ each resuming the previous phase's checkpoint (or the reference's first iteratio
   1 -> PP2 -> TP2 -> DP2, with EP2 -> 1, TP2 -> 1 and DP2 -> 1 here; with the next two chains' pairs, every
   ordered pair among 1 process, TP2, EP2, PP2 and DP2 (20 layout changes; see docs/cpu.md);
 - MoE proxy, muon: 1 -> EP2 -> DP2 -> TP2;
-- dense proxy, dist_muon: 1 -> TP2 -> PP2, then PP2 -> 1 here; and 1 -> TP2 with blockwise Muon.
+- dense proxy, dist_muon: 1 -> TP2 -> PP2, then PP2 -> 1 here; and 1 -> TP2 with blockwise Muon;
+- dense proxy, AdamW with the distributed optimizer on DP2 (its preset's; one process has it off): two
+  steps from the dense reference's first weights (fresh Adam state), against the same two steps here.
 
 Each phase's loss must equal the reference's at that iteration, and its saved weights and Muon momentum
 (read back from the torch_dist files as global tensors, layout-independent) the reference's. fp32,
@@ -36,6 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE, DENSE = "qwen3_moe_proxy_muon", "qwen3_proxy_muon"
+ADAMW = "qwen3_proxy_adamw"  # distributed optimizer on (both ddp. and optimizer.) wherever DP > 1
+# AdamW from the dense reference's iteration-1 weights with a fresh optimizer (that checkpoint holds Muon's state)
+ADAMW_RUN = ["checkpoint.load_optim=false", "train.train_iters=3"]
 # exact arithmetic settings; a fixed decay horizon so that every phase sees the same schedule
 EXACT = ["optimizer.muon_fp32_matmul_prec=highest", "optimizer.muon_tp_mode=duplicated",
          "scheduler.lr_decay_iters=8", "logger.log_interval=1", "checkpoint.save_interval=1"]
@@ -117,8 +122,11 @@ def _run_everything(tmp: Path) -> dict:
     ref = {MOE: tmp / "ref-moe", DENSE: tmp / "ref-dense"}
     _pretrain_here("--recipe", MOE, "layout=cpu", "train.train_iters=9", f"checkpoint.save={ref[MOE]}", *EXACT)
     _pretrain_here("--recipe", DENSE, "layout=cpu", "train.train_iters=4", f"checkpoint.save={ref[DENSE]}", *EXACT)
-    times["references (1 process, in this process)"] = time.time() - t0
     start = {name: _start(path, 1, tmp / f"start-{name}") for name, path in ref.items()}
+    adam = {"ref": tmp / "adamw-1", "dp2": tmp / "adamw-3-cpu-dp2"}
+    _pretrain_here("--recipe", ADAMW, "layout=cpu", f"checkpoint.load={start[DENSE]}", f"checkpoint.save={adam['ref']}",
+                   *EXACT, *ADAMW_RUN)
+    times["references (1 process, in this process)"] = time.time() - t0
 
     phases: list[tuple[str, str, int, str, list[str]]] = []  # (run dir, recipe, iteration, layout, extra)
 
@@ -137,6 +145,8 @@ def _run_everything(tmp: Path) -> dict:
     chain("W", DENSE, ["cpu-tp2"], ["optimizer.muon_tp_mode=blockwise"])       # overrides EXACT's duplicated
     plan = [["--recipe", recipe, f"layout={layout}", f"train.train_iters={iteration}", f"checkpoint.save={save}",
              f"logger.tensorboard_dir={save}/tb", *EXACT, *extra] for save, recipe, iteration, layout, extra in phases]
+    plan.append(["--recipe", ADAMW, "layout=cpu-dp2", f"checkpoint.load={start[DENSE]}", f"checkpoint.save={adam['dp2']}",
+                 f"logger.tensorboard_dir={adam['dp2']}/tb", *EXACT, *ADAMW_RUN])
     t0 = time.time()
     out = _launch(plan, tmp, nproc=2)
     times[f"{len(plan)} phases in one 2-process launch"] = time.time() - t0
@@ -152,7 +162,7 @@ def _run_everything(tmp: Path) -> dict:
     print(out)
     runs = [(Path(save), recipe, iteration, layout) for save, recipe, iteration, layout, _ in phases]
     runs += [(save, recipe, iteration, "cpu") for save, recipe, iteration, _ in back]
-    return {"ref": ref, "runs": runs, "tmp": tmp}
+    return {"ref": ref, "runs": runs, "tmp": tmp, "adamw": adam}
 
 
 def _check_every_layout_and_every_resume_computes_the_one_process_loss(runs):
@@ -194,6 +204,27 @@ def _check_resumed_weights_and_muon_momentum_equal_the_straight_run(runs):
     print("\nmax |Muon-stepped weight or momentum - straight run|:", {k: f"{v:.1e}" for k, v in worst_muon.items()})
     print("max |Adam-stepped weight or state - straight run|:", {k: f"{v:.1e}" for k, v in worst_adam.items()})
     assert not failures, failures
+
+
+def _check_dp2_adamw_with_the_distributed_optimizer_computes_the_one_process_steps(runs):
+    """Two AdamW steps on DP2 with the distributed optimizer (Adam state sharded over the two ranks, saved as
+    its per-bucket shards) give the 1-process run's losses and weights."""
+    ref, dp2 = runs["adamw"]["ref"], runs["adamw"]["dp2"]
+    got, expected = _losses(dp2), _losses(ref)
+    assert list(got) == list(expected) == [2, 3], (got, expected)
+    loss = max(abs(got[i] - expected[i]) for i in got)
+    x, y = read_global_tensors(dp2 / "iter_0000003"), read_global_tensors(ref / "iter_0000003")
+    # the distributed optimizer saved its sharded buckets; one process saved per-parameter Adam state
+    assert any(k.startswith("optimizer.distributed.") for k in x), sorted(x)
+    assert not any(k.startswith("optimizer.distributed.") for k in y)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in y)
+    weights = sorted(k for k in y if not k.startswith("optimizer."))
+    assert weights and weights == sorted(k for k in x if not k.startswith("optimizer.")), sorted(set(x) ^ set(y))
+    assert any("embedding" in k for k in weights) and any("linear_fc1.weight" in k for k in weights)
+    worst = max((x[k] - y[k]).abs().max().item() for k in weights)
+    print(f"\nDP2 AdamW distributed optimizer vs 1 process: loss {loss:.1e}, weights {worst:.1e}")
+    assert loss <= LOSS_TOL
+    assert worst <= ADAM_TOL  # every tensor here is Adam-stepped
 
 
 def _check_four_processes_tp2_ep2_compute_the_one_process_step(runs):
@@ -260,6 +291,7 @@ def test_several_processes_compute_what_one_does_and_resume_in_any_layout(cpu_mo
     _check_every_layout_and_every_resume_computes_the_one_process_loss(runs)
     _check_resumed_weights_and_muon_momentum_equal_the_straight_run(runs)
     _check_tp2_blockwise_orthogonalizes_each_shard_alone(runs)
+    _check_dp2_adamw_with_the_distributed_optimizer_computes_the_one_process_steps(runs)
     _check_four_processes_tp2_ep2_compute_the_one_process_step(runs)
 
 
