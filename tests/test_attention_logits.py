@@ -17,6 +17,8 @@ from bridge_ext import attention_logits
 from recipes import get_recipe
 from recipes.optimizers import PRESETS
 
+pytestmark = pytest.mark.stack  # megatron-core's attention: .ci/run runs these on every stack
+
 CHUNK_BOUND = 512  # the bound: the largest intermediate is at most b*h*s*C with C <= 512
 
 

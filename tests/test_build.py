@@ -16,7 +16,7 @@ from bridge_ext.overrides import apply_user_overrides, config_to_yaml
 from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
 from tests.stack_shapes import config_differences, stack_differences
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]  # Megatron Bridge validates each recipe
 
 
 @pytest.fixture(scope="module")

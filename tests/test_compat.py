@@ -14,6 +14,8 @@ import pytest
 from bridge_ext import compat
 from bridge_ext.stack import UpstreamDrift, describe_stack, package_of, version_of
 
+pytestmark = pytest.mark.stack  # the stack differences module: .ci/run runs these on every stack
+
 REPO = Path(__file__).resolve().parent.parent
 
 # What each lock needs, found by hand on each stack (megatron-core 0.16's Muon calls vs the installed

@@ -16,6 +16,8 @@ from bridge_ext.hf import apply_config_stated_fields
 from bridge_ext.stack import UpstreamDrift, have_transformer_engine
 from bridge_ext.te_guard import MISSING_TE, guard_source, guarded_modules
 
+pytestmark = pytest.mark.stack  # CPU-mode fixes, matched by content in each stack: .ci/run runs these on every stack
+
 
 def test_every_patch_target_matches_upstream():
     assert cm.check_patch_targets() == []

@@ -16,6 +16,8 @@ import torch
 
 from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
 
+pytestmark = pytest.mark.stack  # training, checkpoint save and resume: .ci/run runs these on every stack
+
 VOCAB = 256
 SEQ = 64
 

@@ -20,6 +20,8 @@ from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
 from bridge_ext.errors import UserError
 
+pytestmark = pytest.mark.stack  # torch's checkpoint writer and Megatron Bridge's save: .ci/run runs these on every stack
+
 REPO = Path(__file__).resolve().parents[1]
 COMPLETE = (".metadata", "__0_0.distcp", "common.pt", "metadata.json", "train_state.pt", "run_config.yaml")
 

@@ -14,6 +14,8 @@ from bridge_ext.stack import optimizer_muon_fields
 from recipes import get_recipe
 from recipes.optimizers import PRESETS
 
+pytestmark = pytest.mark.stack  # Muon from emerging-optimizers (0.1.0 / 0.3.0): .ci/run runs these on every stack
+
 MUON_PRESETS = ("moonlight", "kimi_k2")
 
 

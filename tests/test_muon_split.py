@@ -17,6 +17,8 @@ from recipes import get_recipe
 from recipes.optimizers import PRESETS
 from tests.test_muon import build_kimi_proxy, moonlight_reference, release_proxy
 
+pytestmark = pytest.mark.stack  # Muon from emerging-optimizers: .ci/run runs these on every stack
+
 FC1 = {  # which gated MLP -> its linear_fc1 weight in the proxy
     "dense": "module.decoder.layers.0.mlp.linear_fc1.weight",
     "shared expert": "module.decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
