@@ -274,6 +274,21 @@ def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
     assert list(again) == list(range(11, 21))
     assert again == {i: losses[i] for i in range(11, 21)}
     assert read_eval(resumed / "eval.jsonl")[20] == evals[20]
+    # the fine-tuned checkpoint exports to HF: transformers loads it, its logits are the Megatron model's, and
+    # fine-tuning moved the weights away from the pre-trained ones
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bridge_ext.convert import export_hf, find_iteration, verify_logits
+
+    export_hf(run, tmp_path / "hf", progress=False, console=None)
+    export_hf(proxy_ckpt, tmp_path / "hf_base", progress=False, console=None)
+    tuned, base = (AutoModelForCausalLM.from_pretrained(str(tmp_path / name), torch_dtype=torch.float32)
+                   for name in ("hf", "hf_base"))
+    assert type(tuned).__name__ == "Qwen3ForCausalLM"
+    moved = [name for name, weight in base.state_dict().items() if not torch.equal(weight, tuned.state_dict()[name])]
+    assert "model.layers.0.mlp.down_proj.weight" in moved, moved
+    assert verify_logits(tmp_path / "hf", find_iteration(run)[0]) <= 1e-5  # fp32, as tests/test_convert.py
 
 
 def _tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -443,3 +458,21 @@ def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
     model = yaml.safe_load((run / "iter_0000005" / "run_config.yaml").read_text())["model"]
     assert (model["qk_clip"], model["qk_clip_threshold"], model["qk_clip_alpha"]) == (True, 100.0, 0.5)
     assert model["multi_latent_attention"] and model["log_max_attention_logit"]
+    # LoRA on the same MoE base: SequentialMLP deep-copies its config when building the merged model (the
+    # training hooks on it used to fail that copy); the merged export loads in transformers with the
+    # Megatron model's logits
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from bridge_ext.convert import export_hf, find_iteration, verify_logits
+    from bridge_ext.hf import load_hf_config
+
+    lora = tmp_path / "kimi_lora"
+    _run(["finetune", "--recipe", "kimi_k2_proxy_lora_muon", "--data", "stdlib-signatures",
+          f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={lora}", f"checkpoint.load={lora}",
+          "train.train_iters=2", "train.eval_iters=1"], cwd=tmp_path)
+    export_hf(lora / "merged", tmp_path / "kimi_lora_hf", progress=False, console=None)
+    out = tmp_path / "kimi_lora_hf"  # Kimi K2's config names remote code: loaded as DeepSeek-V3, as in test_convert
+    merged = DeepseekV3ForCausalLM.from_pretrained(str(out), config=load_hf_config(out), torch_dtype=torch.float32)
+    assert merged.config.n_routed_experts > 1
+    assert verify_logits(tmp_path / "kimi_lora_hf", find_iteration(lora / "merged")[0]) <= 1e-5

@@ -46,6 +46,28 @@ def merged_state_dict(chunk: Any) -> dict[str, Any]:
     return state
 
 
+# What Megatron Bridge's training setup hangs on the model config (gradient finalization, loss scaling, overlap
+# hooks): bound to the run's process groups and optimizer, they cannot be deep-copied.
+_TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
+                   "param_sync_func")
+
+
+def _training_free_provider(provider: Any) -> Any:
+    """A shallow copy of the run's model provider without its training hooks, to build a plain model from.
+
+    megatron-core's ``SequentialMLP`` deep-copies its config when ``moe_ffn_hidden_size != ffn_hidden_size``
+    (``transformer/moe/experts.py``), as in Kimi K2 / DeepSeek-V3: with the hooks still attached that copy
+    fails on a ``ProcessGroup`` ("cannot pickle").
+    """
+    import copy
+
+    plain = copy.copy(provider)
+    for hook in _TRAINING_HOOKS:
+        if getattr(plain, hook, None) is not None:
+            setattr(plain, hook, None)
+    return plain
+
+
 def merged_lora_saver(out: Path, *, tokenizer_dir: Path | None):
     """A callback writing the merged model to ``out`` when training ends (one process: TP = PP = EP = 1)."""
     from megatron.bridge.training.callbacks import Callback
@@ -57,7 +79,7 @@ def merged_lora_saver(out: Path, *, tokenizer_dir: Path | None):
 
             (chunk,) = unwrap_model(context.model)
             state = merged_state_dict(chunk)
-            plain = context.state.cfg.model.provide(pre_process=True, post_process=True)
+            plain = _training_free_provider(context.state.cfg.model).provide(pre_process=True, post_process=True)
             missing, unexpected = plain.load_state_dict(state, strict=False)
             missing = [k for k in missing if not k.endswith("_extra_state")]
             unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
