@@ -273,7 +273,10 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
         from bridge_ext.finetune.lora import muon_without_adam_part
 
         muon_without_adam_part()
-    if recipe.mode == "lora" and prepared.use_cpu and cfg.checkpoint.save:
+    # The merge reads one process's full model: with several processes (shards) it would write a partial one.
+    merge_lora = recipe.mode == "lora" and prepared.use_cpu and cfg.checkpoint.save and \
+        int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if merge_lora:
         from bridge_ext.finetune.lora import MERGED_DIR, merged_lora_saver
 
         recorders.append(merged_lora_saver(Path(cfg.checkpoint.save) / MERGED_DIR, tokenizer_dir=tokenizer))
@@ -284,8 +287,10 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
             first, last = next(iter(evals.items())), list(evals.items())[-1]
             say(f"eval loss (held-out): {first[1]:.4f} at iteration {first[0]} -> {last[1]:.4f} at {last[0]}")
         say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
-        if recipe.mode == "lora" and cfg.checkpoint.save:
+        if merge_lora:
             say(f"merged LoRA:     {Path(cfg.checkpoint.save) / 'merged'} (`nemo llm export --ckpt` it)")
+        elif recipe.mode == "lora" and cfg.checkpoint.save:
+            say("merged LoRA:     not written (the merge reads one process's whole model; this run had several)")
     return run_dir
 
 
