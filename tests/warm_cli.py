@@ -38,10 +38,11 @@ _server: subprocess.Popen | None = None
 def _start() -> subprocess.Popen:
     global _server
     if _server is None or _server.poll() is not None:
+        # unbuffered bytes: readline() then takes no more than its line, so select() sees what is left
         _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).parent.parent)
+                                   stderr=subprocess.DEVNULL, bufsize=0, cwd=Path(__file__).parent.parent)
         ready = _server.stdout.readline()
-        if ready.strip() != "ready":
+        if ready.strip() != b"ready":
             raise RuntimeError(f"the warm `nemo` process did not start: {ready!r}")
     return _server
 
@@ -55,8 +56,7 @@ def run_nemo(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, s
         Path(files["stdin"]).write_text(input or "")
         request = {"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()),
                    "env": dict(os.environ if env is None else env), **files}
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
+        server.stdin.write((json.dumps(request) + "\n").encode())
         pid = int(server.stdout.readline())
         try:
             rc = _read_exit(server, timeout)
