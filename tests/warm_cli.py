@@ -61,7 +61,7 @@ def run_nemo(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, s
         try:
             rc = _read_exit(server, timeout)
         except subprocess.TimeoutExpired:
-            os.kill(pid, 9)
+            os.killpg(pid, 9)  # the command and what it started (it leads its own process group)
             _read_exit(server, 60)
             raise subprocess.TimeoutExpired(["nemo", *argv], timeout) from None
         return subprocess.CompletedProcess(["nemo", *argv], rc, Path(files["stdout"]).read_text(),
