@@ -155,23 +155,26 @@ def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path
     if len(records) < 2:
         raise UserError(f"data file {data} has {len(records)} record; at least 2 are needed "
                         f"(every {VAL_EVERY}th record is held out for the eval loss, and at least one)")
+    if not tokenizer_dir.is_dir():
+        raise UserError(f"cannot load the tokenizer in {tokenizer_dir} (no such directory)")
+    key = hashlib.sha256(f"format={_FORMAT}\0{VAL_EVERY}\0".encode() + data.read_bytes()
+                         + tokenizer_files_digest(tokenizer_dir).encode()).hexdigest()[:20]
+    if seed is not None:
+        key += f"-s{int(seed)}"
+    final = cache / "sft" / key
+    if (final / "validation.jsonl").is_file():  # these bytes were checked and rendered with this tokenizer before
+        built = json.loads((final / "source.json").read_text())
+        return SFTData(final, built["train"], built["validation"], built=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load the tokenizer in {tokenizer_dir} ({str(exc).splitlines()[0]})") from None
     rendered = render_records(tokenizer, records, name=str(tokenizer_dir))
-    key = hashlib.sha256(f"format={_FORMAT}\0{VAL_EVERY}\0".encode() + data.read_bytes()
-                         + tokenizer_files_digest(tokenizer_dir).encode()).hexdigest()[:20]
-    if seed is not None:
-        key += f"-s{int(seed)}"
     held = {i for i in range(len(rendered)) if i % VAL_EVERY == VAL_EVERY - 1} or {len(rendered) - 1}
     train = [r for i, r in enumerate(rendered) if i not in held]
     if seed is not None:
         random.Random(int(seed)).shuffle(train)
     validation = [r for i, r in enumerate(rendered) if i in held]
-    final = cache / "sft" / key
-    if (final / "validation.jsonl").is_file():
-        return SFTData(final, len(train), len(validation), built=False)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
