@@ -97,6 +97,7 @@ def _child(request: dict) -> None:
         target = os.open(request[name], mode)
         os.dup2(target, fd)
         os.close(target)
+    sys.stdin = open(0, closefd=False)  # the server's reader may hold buffered requests: a fresh one on the file
     sys.argv = ["nemo", *request["argv"]]
     code = 1
     try:
@@ -149,7 +150,6 @@ def _serve() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            sys.stdin = open(os.devnull)  # the request pipe stays the server's
             _child(request)
         out.write(f"{pid}\n")
         out.flush()
