@@ -1,0 +1,112 @@
+"""Muon presets at run time: what a ``recipes.optimizers.MuonPreset`` needs beyond the fields ``bridge_ext.build`` applies.
+
+:func:`apply_preset` writes the preset's model fields and installs its Newton-Schulz coefficients
+(:func:`install_ns_coefficients`), the gate/up split and MuonClip; :func:`resolve_schedule` turns its schedule
+fractions into iteration counts. References: Moonlight, arXiv 2502.16982; megatron-core 0.16.1
+``optimizer/muon.py``; emerging-optimizers ``orthogonalized_optimizers``. Imports neither torch nor Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from bridge_ext.errors import UserError
+from bridge_ext.muon.clip import install_muon_clip
+
+if TYPE_CHECKING:
+    from recipes.optimizers import OptimizerPreset
+
+__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "installed_ns_coefficients",
+           "resolve_schedule"]
+
+CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
+
+
+_ns_coefficients: str = "quintic"  # what TensorParallelMuon uses when nothing is installed (0.16 default)
+
+
+def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
+    """Make every ``TensorParallelMuon`` built from now on use ``coefficient_type`` (process-wide).
+
+    megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``) builds
+    ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
+    (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it. This wraps
+    ``TensorParallelMuon.__init__`` so that an unspecified ``coefficient_type`` is ours. Idempotent; an
+    explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's (3.4445, -4.7750, 2.0315).
+    """
+    global _ns_coefficients
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
+    from megatron.core.optimizer import muon
+
+    if coefficient_type not in _COEFFICIENT_SETS:
+        raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
+                        f"emerging-optimizers has: {', '.join(_COEFFICIENT_SETS)}")
+    _ns_coefficients = coefficient_type
+    cls = muon.TensorParallelMuon
+    if getattr(cls.__init__, "_bridge_ext_ns", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args: Any, coefficient_type: str | None = None, **kwargs: Any) -> None:
+        original(self, *args, coefficient_type=coefficient_type or _ns_coefficients, **kwargs)
+        self.coefficient_type = coefficient_type or _ns_coefficients  # for telemetry and tests
+
+    __init__._bridge_ext_ns = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def installed_ns_coefficients() -> str:
+    """The coefficient set ``TensorParallelMuon`` gets when none is passed."""
+    return _ns_coefficients
+
+
+def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> None:
+    """Apply a preset's non-``OptimizerConfig`` settings to ``cfg`` (a Bridge ``ConfigContainer``).
+
+    Writes the preset's model fields (QK-clip: ``qk_clip``, ``qk_clip_threshold``, ``qk_clip_alpha``,
+    ``log_max_attention_logit`` on the TransformerConfig / provider) and, when ``runtime``, installs its
+    Newton-Schulz coefficients and the MuonClip fix (:func:`install_muon_clip`). Plain presets
+    (``nvidia_perf``, ``adamw``) get "quintic", megatron-core's default. A model field the installed
+    megatron-core does not have fails with a ``UserError``.
+    """
+    for key, value in getattr(preset, "model", {}).items():
+        if not hasattr(cfg.model, key):
+            raise UserError(f"optimizer preset '{preset.name}' sets model.{key}, which the installed "
+                            "megatron-core's TransformerConfig does not have; pick another preset")
+        setattr(cfg.model, key, value)
+    if runtime and preset.kind == "muon":
+        from bridge_ext.muon_split import install_gate_up_split
+
+        install_ns_coefficients(getattr(preset, "ns_coefficients", "quintic"))
+        install_gate_up_split(getattr(preset, "split_gate_up", False))
+        install_muon_clip()
+
+
+def resolve_schedule(cfg: Any, preset: OptimizerPreset) -> dict[str, Any]:
+    """Turn the preset's schedule fractions into iteration counts for ``cfg.train.train_iters``.
+
+    Call after every override (recipe, ``--yaml``, command line) and before ``validate()``/``pretrain``.
+    Megatron Bridge 0.3.1's ``SchedulerConfig`` knows ``lr_warmup_fraction`` (of ``lr_decay_iters``) but
+    has only iteration counts for the WSD decay, so ``lr_wsd_decay_fraction`` becomes
+    ``lr_wsd_decay_iters = round(fraction * lr_decay_iters)``. Explicit settings win: a non-zero
+    ``lr_warmup_iters`` (e.g. the proxies' 5) drops ``lr_warmup_fraction`` (Megatron rejects both), and a
+    set ``lr_wsd_decay_iters`` is kept. Idempotent; calling it again after ``train.train_iters`` changed
+    recomputes what it set itself (a value read back from YAML counts as explicit). Returns what it changed.
+    """
+    sched, changed = cfg.scheduler, {}
+    if sched.lr_warmup_fraction is not None and sched.lr_warmup_iters:
+        sched.lr_warmup_fraction = None
+        changed["lr_warmup_fraction"] = None
+    fraction = getattr(preset, "schedule_fractions", {}).get("lr_wsd_decay_fraction")
+    ours = getattr(sched, "_bridge_ext_wsd_iters", None)  # set by an earlier call: recompute, not explicit
+    unset = sched.lr_wsd_decay_iters is None or sched.lr_wsd_decay_iters == ours
+    if fraction is not None and unset and sched.lr_decay_style == "WSD":
+        iters = cfg.train.train_iters
+        if iters is None:
+            raise UserError(f"preset '{preset.name}' sets its decay as a fraction of train.train_iters; "
+                            "set train.train_iters (sample-based training is not supported by this preset)")
+        decay_iters = sched.lr_decay_iters or iters
+        sched.lr_wsd_decay_iters = max(1, round(fraction * decay_iters))
+        sched._bridge_ext_wsd_iters = sched.lr_wsd_decay_iters
+        changed["lr_wsd_decay_iters"] = sched.lr_wsd_decay_iters
+    return changed
