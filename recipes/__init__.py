@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bridge_ext.errors import UserError, closest
 from recipes.budget import UNSTATED_TRAIN_ITERS, RunLength, iters_for_tokens, run_length
+from recipes.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
 from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from bridge_ext.errors import UserError, closest
-from recipes import Recipe
+from recipes import RECIPES, Recipe
+from recipes.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS
 from recipes.optimizers import KIMI_K2, MOONLIGHT, OptimizerPreset, adamw_twin, derive
@@ -121,12 +121,11 @@ _PROXY_LR = {("sft", "muon"): 3e-3, ("sft", "adamw"): 1e-3, ("lora", "muon"): 1e
 _PROXY_WHY = ("a tiny model of the same architecture fine-tuned from a proxy pre-training checkpoint on the shipped "
               "instruction set; only the run length and the learning rate (per optimizer) differ from the full recipe")
 
-_MUON_BASE = {"kimi_k2": KIMI_K2, "qwen3": MOONLIGHT, "qwen3_moe": MOONLIGHT}
+# Why each pre-training Muon preset carries over to fine-tuning (a model fine-tunes with its `_muon` recipe's preset).
 _WHY = {
-    "kimi_k2": "MuonClip as in pre-training: Kimi K2's MLA has no QK-norm, so QK-clip keeps bounding the logits",
-    "qwen3": "Moonlight's Muon as in pre-training (sec. 3.4: Muon-pretrained models fine-tune best with Muon)",
+    KIMI_K2.name: "MuonClip as in pre-training: Kimi K2's MLA has no QK-norm, so QK-clip keeps bounding the logits",
+    MOONLIGHT.name: "Moonlight's Muon as in pre-training (sec. 3.4: Muon-pretrained models fine-tune best with Muon)",
 }
-_WHY["qwen3_moe"] = _WHY["qwen3"]
 
 
 def _compose() -> dict[str, FinetuneRecipe]:
@@ -135,7 +134,8 @@ def _compose() -> dict[str, FinetuneRecipe]:
         proxy = model.proxy_of is not None
         layouts = LAYOUTS[model_name] if proxy else {k: _finetune_layout(v) for k, v in LAYOUTS[model_name].items()}
         for mode in ("sft", "lora"):
-            muon = FINETUNE_PRESETS[f"{_MUON_BASE[model.family].name}_{mode}"]
+            base = RECIPES[f"{model_name}_muon"].preset  # the pre-training recipe's Muon preset
+            muon = FINETUNE_PRESETS[f"{base.name}_{mode}"]
             for kind, preset, twin in (("muon", muon, "adamw"), ("adamw", FINETUNE_PRESETS[f"{muon.name}_adamw"],
                                                                   "muon")):
                 name = f"{model_name}_{mode}_{kind}"
@@ -145,7 +145,7 @@ def _compose() -> dict[str, FinetuneRecipe]:
                     name=name, model=model, preset=preset, layouts=layouts, twin=f"{model_name}_{mode}_{twin}",
                     overrides=overrides, why=_PROXY_WHY if proxy else "", mode=mode,
                     base=f"{model_name}_{kind}", lora=LORA_DEFAULTS if mode == "lora" else {},
-                    preset_why=_WHY[model.family] if kind == "muon" else f"the A/B twin of {model_name}_{mode}_muon",
+                    preset_why=_WHY[base.name] if kind == "muon" else f"the A/B twin of {model_name}_{mode}_muon",
                 )
     return out
 
@@ -156,21 +156,14 @@ FINETUNE_RECIPES: dict[str, FinetuneRecipe] = _compose()
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
     """The fine-tuning recipe called ``name``; a ``UserError`` naming the closest one otherwise."""
     if name not in FINETUNE_RECIPES:
-        from recipes import RECIPES
-
         hint = (f" ({name} pre-trains; its fine-tuning recipes are {name.rsplit('_', 1)[0]}_sft_* and _lora_*)"
                 if name in RECIPES else closest(name, FINETUNE_RECIPES))
         raise UserError(f"unknown fine-tuning recipe '{name}'{hint}; `nemo llm finetune --list` lists them")
     return FINETUNE_RECIPES[name]
 
 
-def _all_recipes() -> dict[str, Recipe]:
-    from recipes import RECIPES
-
-    return {**RECIPES, **FINETUNE_RECIPES}
-
-
-ALL_RECIPES: dict[str, Recipe] = _all_recipes()  # pre-training, then fine-tuning (`nemo llm recipes`, `info`, compare)
+# Pre-training, then fine-tuning (`nemo llm recipes`, `info`, compare).
+ALL_RECIPES: dict[str, Recipe] = {**RECIPES, **FINETUNE_RECIPES}
 
 
 def get_any_recipe(name: str) -> Recipe:

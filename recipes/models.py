@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from recipes.architecture import Architecture
 from recipes.params import ParamCount, count_params
 
 __all__ = ["HF_CONFIGS", "MODELS", "ModelSpec"]
@@ -49,12 +50,17 @@ class ModelSpec:
             return json.load(handle)
 
     @cached_property
+    def architecture(self) -> Architecture:
+        """The shape its ``config.json`` states, parsed once."""
+        return Architecture.from_hf_config(self.hf_config)
+
+    @cached_property
     def params(self) -> ParamCount:
-        return count_params(self.hf_config)
+        return count_params(self.architecture)
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config["num_hidden_layers"]
+        return self.architecture.num_layers
 
     @property
     def is_moe(self) -> bool:

@@ -51,7 +51,7 @@ def test_totals_match_the_parameter_count(name):
     bias = 0
     if cfg.get("topk_method") == "noaux_tc":  # recipes.params counts the router's expert bias (a buffer)
         bias = cfg["n_routed_experts"] * (cfg["num_hidden_layers"] - cfg["first_k_dense_replace"])
-    assert plan.params_total == count_params(cfg).total - bias
+    assert plan.params_total == count_params(recipe.model.architecture).total - bias
     assert plan.params_muon == sum(r.params for r in plan.rows if r.route == "muon")
     assert all(r.route == "adam" for r in plan.rows if len(r.shape) == 1 or "embedding" in r.pattern
                or r.pattern.startswith("output_layer"))

@@ -17,7 +17,7 @@ import pytest
 from bridge_ext.cli import main
 from bridge_ext.muon import muon_plan, newton_schulz_flops
 from bridge_ext.plan import plan
-from bridge_ext.plan.memory import GB, _layer_wise_share, activation_bytes, model_state
+from bridge_ext.plan.memory import GB, activation_bytes, layer_wise_share, model_state
 from bridge_ext.plan.ranks import Tensor, rank_params
 from recipes import get_recipe
 from recipes.params import count_params
@@ -65,9 +65,9 @@ def test_kimi_k2_ranks_add_up_to_the_published_count(layout):
     p = plan(recipe, layout=layout)
     lay = recipe.layout(layout)
     moe_layers = hf["num_hidden_layers"] - hf["first_k_dense_replace"]
-    expected = count_params(hf).total - moe_layers * hf["n_routed_experts"]
+    expected = count_params(recipe.model.architecture).total - moe_layers * hf["n_routed_experts"]
     assert p.params_total == expected
-    assert p.params_active == count_params(hf).active
+    assert p.params_active == count_params(recipe.model.architecture).active
     assert sum(len(r.layers) for r in p.ranks) == 61
     if lay.tp == 1:
         assert sum(r.dense + r.expert * lay.ep for r in p.ranks) == expected
@@ -101,7 +101,7 @@ def test_parameters_per_rank_equal_what_megatron_builds(tmp_path):
     for record in records:
         recipe = get_recipe(record["recipe"])
         layout = recipe.layout(record["layout"])
-        ranks = rank_params(recipe.model.hf_config, muon_plan(recipe, layout=layout.cluster).rows, layout, spec="local")
+        ranks = rank_params(recipe.model.architecture, muon_plan(recipe, layout=layout.cluster).rows, layout, spec="local")
         planned = sorted(t.numel for t in ranks[record["pp_rank"]].tensors)
         where = f"{record['recipe']} {record['layout']} pp{record['pp_rank']} tp{record['tp_rank']} ep{record['ep_rank']}"
         assert planned == record["numels"], (where, collections.Counter(planned) - collections.Counter(record["numels"]),
@@ -145,7 +145,7 @@ def test_layer_wise_sharding_follows_megatron_core_docstring():
     """layer_wise_optimizer.py: "4 ranks and 10 parameters p0-p9 after sorting ... [[p0, p7, p8], [p1, p6, p9],
     [p2, p5], [p3, p4]]"."""
     tensors = [Tensor(f"p{i}", i + 1, "muon", False) for i in range(10)]
-    shares = _layer_wise_share(tensors, 4)
+    shares = layer_wise_share(tensors, 4)
     assert [[t.name for t in share] for share in shares] == [["p0", "p7", "p8"], ["p1", "p6", "p9"], ["p2", "p5"],
                                                             ["p3", "p4"]]
 
@@ -194,7 +194,7 @@ def test_kimi_k2_activations_by_hand(kimi):
     per_microbatch = tokens * (16 * attention + moe * 15 + dense)
     recipe = get_recipe("kimi_k2_muon")
     rank0 = next(r for r in kimi.ranks if r.pp_rank == 0)
-    assert activation_bytes(recipe.model.hf_config, recipe.layout(), rank0, micro_batches=kimi.micro_batches,
+    assert activation_bytes(recipe.model.architecture, recipe.layout(), rank0, micro_batches=kimi.micro_batches,
                             recompute=dict(recipe.layout().model)) == pytest.approx(per_microbatch * 19 / 4)
     assert kimi.verdicts() == {"GB300": "fits", "B200": "does not fit", "H200": "does not fit", "H100": "does not fit"}
 
@@ -202,12 +202,12 @@ def test_kimi_k2_activations_by_hand(kimi):
 @pytest.mark.once
 def test_recompute_full_keeps_layer_inputs():
     recipe = get_recipe("qwen3_8b_muon")
-    hf, layout = recipe.model.hf_config, recipe.layout()
+    arch, layout = recipe.model.architecture, recipe.layout()
     rank = plan(recipe).ranks[0]
-    full = activation_bytes(hf, layout, rank, micro_batches=128,
+    full = activation_bytes(arch, layout, rank, micro_batches=128,
                             recompute={"recompute_granularity": "full", "recompute_method": "uniform",
                                        "recompute_num_layers": 1})
-    none = activation_bytes(hf, layout, rank, micro_batches=128, recompute={})
+    none = activation_bytes(arch, layout, rank, micro_batches=128, recompute={})
     tokens = 4096 / 4
     logits = tokens * (4096 * 2 + 151936 * 4)
     per_layer = (none - logits) / 36
@@ -283,7 +283,7 @@ def test_flops_equal_megatron_bridge_flop_utils_on_the_built_config():
         recipe = get_recipe(name)
         cfg = build_config(recipe)
         layout = recipe.layout()
-        mirrored = provider_fields(recipe.model.hf_config, seq_length=layout.seq_length, tp=layout.tp)
+        mirrored = provider_fields(recipe.model.architecture, seq_length=layout.seq_length, tp=layout.tp)
         for key, value in mirrored.items():
             actual = getattr(cfg.model, key)
             assert (actual is F.silu) if value is SILU else actual == value, (name, key, actual, value)

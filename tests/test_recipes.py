@@ -9,6 +9,7 @@ import pytest
 
 import recipes
 from bridge_ext.errors import UserError
+from recipes.architecture import Architecture
 from recipes.layouts import LAYOUTS, Layout, pipeline_stages
 from recipes.models import MODELS
 from recipes.optimizers import PRESETS
@@ -107,7 +108,7 @@ def test_parameter_count_formula_on_deepseek_v3():
     kimi = dict(MODELS["kimi_k2"].hf_config)
     dsv3 = {**kimi, "model_type": "deepseek_v3", "first_k_dense_replace": 3, "n_routed_experts": 256,
             "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280}
-    counts = count_params(dsv3)
+    counts = count_params(Architecture.from_hf_config(dsv3))
     assert abs(counts.total / 671e9 - 1) < 0.005
     assert abs(counts.active / 37e9 - 1) < 0.02
 

@@ -8,12 +8,13 @@ Pure Python: imports neither torch nor Megatron.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from recipes import Recipe
+    from recipes.architecture import Architecture
 
 __all__ = ["MuonPlan", "PlanRow", "Route", "format_plan", "muon_plan", "newton_schulz_flops"]
 
@@ -120,8 +121,9 @@ def _ranges(indices: Sequence[int]) -> str:
 
 
 class _PlanBuilder:
-    def __init__(self, *, muon: bool, steps: int, split_qkv: bool, tp: int, etp: int):
+    def __init__(self, *, muon: bool, steps: int, split_qkv: bool, tp: int, etp: int, split_gate_up: bool = False):
         self.muon, self.steps, self.split_qkv, self.tp, self.etp = muon, steps, split_qkv, tp, etp
+        self.split_gate_up = split_gate_up
         self.rows: list[PlanRow] = []
 
     def add(self, pattern: str, shape: tuple[int, ...], *, layers: Sequence[int] | None = None,
@@ -144,25 +146,18 @@ class _PlanBuilder:
                                  ns_flops=flops))
 
 
-def _is_moe(cfg: Mapping[str, Any], layer: int) -> bool:
-    from recipes.params import _is_moe_layer
-
-    return _is_moe_layer(dict(cfg), layer)
-
-
-def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
-    h, vocab, n_layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    moe_layers = [i for i in range(n_layers) if _is_moe(cfg, i)]
-    dense_layers = [i for i in range(n_layers) if i not in moe_layers]
+def _plan_rows(arch: Architecture, b: _PlanBuilder) -> None:
+    h, vocab, n_layers = arch.hidden_size, arch.vocab_size, arch.num_layers
+    heads = arch.num_attention_heads
+    moe_layers, dense_layers = list(arch.moe_layers), list(arch.dense_layers)
     every = list(range(n_layers))
     L = "decoder.layers.{layer}."
 
     b.add("embedding.word_embeddings.weight", (vocab, h), embedding=True)
     b.add(L + "input_layernorm.weight", (h,), layers=every)
-    if "kv_lora_rank" in cfg:  # MLA: projections orthogonalized whole (no split)
-        nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        q_rank, kv_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    if arch.mla is not None:  # MLA: projections orthogonalized whole (no split)
+        nope, rope, v = arch.mla.qk_nope_head_dim, arch.mla.qk_rope_head_dim, arch.mla.v_head_dim
+        q_rank, kv_rank = arch.mla.q_lora_rank, arch.mla.kv_lora_rank
         A = L + "self_attention."
         if q_rank:
             b.add(A + "linear_q_down_proj.weight", (q_rank, h), layers=every, split="none (MLA)")
@@ -179,8 +174,7 @@ def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
               split="none (MLA: all heads, k_nope and v together)", tp_dim=0)
         b.add(A + "linear_proj.weight", (h, heads * v), layers=every, tp_dim=1)
     else:
-        d = cfg.get("head_dim") or h // heads
-        groups = cfg["num_key_value_heads"]
+        d, groups = arch.head_dim, arch.num_kv_heads
         A = L + "self_attention."
         shape = ((heads + 2 * groups) * d, h)
         if b.split_qkv:
@@ -191,16 +185,16 @@ def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
         else:
             pieces, split = None, "none (fused QKV)"
         b.add(A + "linear_qkv.weight", shape, layers=every, split=split, pieces=pieces, tp_dim=0)
-        if cfg.get("attention_bias"):
+        if arch.attention_bias:
             b.add(A + "linear_qkv.bias", (shape[0],), layers=every)
             b.add(A + "linear_proj.bias", (h,), layers=every)
-        if cfg["model_type"].startswith("qwen3"):
+        if arch.qk_norm:
             b.add(A + "q_layernorm.weight", (d,), layers=every)
             b.add(A + "k_layernorm.weight", (d,), layers=every)
         b.add(A + "linear_proj.weight", (h, heads * d), layers=every, tp_dim=1)
     b.add(L + "pre_mlp_layernorm.weight", (h,), layers=every)
     # linear_fc1 = [gate; up]: one matrix, or two with the preset's split_gate_up (bridge_ext.muon_split)
-    split_gate_up = getattr(b, "split_gate_up", False)
+    split_gate_up = b.split_gate_up
     fused = ("gate and up orthogonalized apart" if split_gate_up
              else "none (gate and up fused, orthogonalized together)")
 
@@ -208,37 +202,35 @@ def _plan_rows(cfg: Mapping[str, Any], b: _PlanBuilder) -> None:
         return [(rows // 2, h)] * 2 if split_gate_up else None
 
     if dense_layers:
-        ffn = cfg["intermediate_size"]
+        ffn = arch.ffn_hidden_size
         b.add(L + "mlp.linear_fc1.weight", (2 * ffn, h), layers=dense_layers, split=fused, pieces=halves(2 * ffn),
               tp_dim=0)
         b.add(L + "mlp.linear_fc2.weight", (h, ffn), layers=dense_layers, tp_dim=1)
-    if moe_layers:
-        experts = cfg.get("n_routed_experts") or cfg["num_experts"]
-        width = cfg["moe_intermediate_size"]
+    if arch.moe is not None and moe_layers:
+        experts, width = arch.moe.experts, arch.moe.ffn_hidden_size
         b.add(L + "mlp.router.weight", (experts, h), layers=moe_layers, split="none (2-D: Muon by default)")
         E = L + "mlp.experts.local_experts.{expert}."
         b.add(E + "linear_fc1.weight", (2 * width, h), layers=moe_layers, experts=experts,
               split="per expert; " + fused, pieces=halves(2 * width), tp_dim=0)
         b.add(E + "linear_fc2.weight", (h, width), layers=moe_layers, experts=experts, split="per expert", tp_dim=1)
-        shared = cfg.get("n_shared_experts") or 0
+        shared = arch.moe.shared_experts
         if shared:
             S = L + "mlp.shared_experts."
             b.add(S + "linear_fc1.weight", (2 * shared * width, h), layers=moe_layers, split=fused,
                   pieces=halves(2 * shared * width), tp_dim=0)
             b.add(S + "linear_fc2.weight", (h, shared * width), layers=moe_layers, tp_dim=1)
     b.add("decoder.final_layernorm.weight", (h,))
-    if not cfg.get("tie_word_embeddings"):
+    if not arch.tie_word_embeddings:
         b.add("output_layer.weight", (vocab, h), embedding=True)
 
 
-def _attention_flops_per_token(cfg: Mapping[str, Any], seq: int) -> int:
+def _attention_flops_per_token(arch: Architecture, seq: int) -> int:
     """Causal attention (QK^T and AV), forward + backward, per token, all layers: 3 * 2 * (s/2) * 2 matmuls."""
-    heads = cfg["num_attention_heads"]
-    if "kv_lora_rank" in cfg:
-        qk, v = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    if arch.mla is not None:
+        qk, v = arch.mla.qk_head_dim, arch.mla.v_head_dim
     else:
-        qk = v = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 3 * seq * heads * (qk + v) * cfg["num_hidden_layers"]
+        qk = v = arch.head_dim
+    return 3 * seq * arch.num_attention_heads * (qk + v) * arch.num_layers
 
 
 def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
@@ -247,24 +239,24 @@ def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     chosen = recipe.layout(layout)
-    cfg, preset = recipe.model.hf_config, recipe.preset
+    arch, preset = recipe.model.architecture, recipe.preset
     opt = preset.optimizer
     muon = preset.kind == "muon"
     b = _PlanBuilder(muon=muon, steps=opt.get("muon_num_ns_steps", 5), split_qkv=opt.get("muon_split_qkv", True),
                      tp=chosen.tp if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1,
-                     etp=(chosen.etp or 1) if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1)
-    b.split_gate_up = muon and getattr(preset, "split_gate_up", False)
-    _plan_rows(cfg, b)
+                     etp=(chosen.etp or 1) if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1,
+                     split_gate_up=muon and getattr(preset, "split_gate_up", False))
+    _plan_rows(arch, b)
     rows = tuple(b.rows)
     total = sum(r.params for r in rows)
     muon_params = sum(r.params for r in rows if r.route == "muon")
     tokens = chosen.global_batch_size * chosen.seq_length
     active = recipe.model.params.active
-    embedding = cfg["vocab_size"] * cfg["hidden_size"]  # a lookup, not a matmul
+    embedding = arch.vocab_size * arch.hidden_size  # a lookup, not a matmul
     router_bias = 0
-    if cfg.get("topk_method") == "noaux_tc":  # recipes.params counts the expert bias; Megatron keeps a buffer
-        router_bias = (cfg.get("n_routed_experts") or 0) * sum(_is_moe(cfg, i) for i in range(cfg["num_hidden_layers"]))
-    attention = _attention_flops_per_token(cfg, chosen.seq_length)
+    if arch.moe is not None and arch.moe.expert_bias:  # recipes.params counts it; Megatron keeps a buffer
+        router_bias = arch.moe.experts * len(arch.moe.layers)
+    attention = _attention_flops_per_token(arch, chosen.seq_length)
     model_flops = (6 * (active - embedding - router_bias) + attention) * tokens
     notes = [
         "names follow Megatron's local (non-TE) layer spec; with Transformer Engine the norms before "

@@ -174,11 +174,11 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     if preset:
         recipe = recipe.with_preset(preset)
     chosen, recompute, optimizer, iters = _apply_overrides(recipe.layout(layout), list(overrides))
-    hf = recipe.model.hf_config
-    problems = chosen.problems(recipe.model.num_layers)
-    if chosen.tp > 1 and hf["num_attention_heads"] % chosen.tp:
-        problems.append(f"{hf['num_attention_heads']} attention heads do not split over tp={chosen.tp}")
-    experts = hf.get("n_routed_experts") or hf.get("num_experts")
+    arch = recipe.model.architecture
+    problems = chosen.problems(arch.num_layers)
+    if chosen.tp > 1 and arch.num_attention_heads % chosen.tp:
+        problems.append(f"{arch.num_attention_heads} attention heads do not split over tp={chosen.tp}")
+    experts = arch.moe.experts if arch.moe else None
     if experts and experts % chosen.ep:
         problems.append(f"{experts} experts do not split over ep={chosen.ep}")
     if problems:
@@ -191,9 +191,9 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
                       if r and r.preset.kind == "muon"), None)
     routes = manifest if muon_twin is None or recipe.preset.kind == "muon" else muon_plan(
         replace(muon_twin, layouts={chosen.cluster: chosen}), layout=chosen.cluster)
-    ranks = rank_params(hf, routes.rows, chosen, spec=spec)
+    ranks = rank_params(arch, routes.rows, chosen, spec=spec)
     micro_batches = chosen.global_batch_size // (chosen.micro_batch_size * chosen.dp)
-    activations = {r.pp_rank: activation_bytes(hf, chosen, r, micro_batches=micro_batches, recompute=recompute)
+    activations = {r.pp_rank: activation_bytes(arch, chosen, r, micro_batches=micro_batches, recompute=recompute)
                    for r in ranks}
     memory = {}
     for kind in _LABELS:
@@ -218,7 +218,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
         parallel=chosen.parallelism(), micro_batches=micro_batches,
         params_total=manifest.params_total, params_active=recipe.model.params.active, ranks=tuple(ranks),
         memory=memory, selected=selected,
-        model_flops_per_step=model_flops_per_step(hf, seq_length=chosen.seq_length, tp=chosen.tp,
+        model_flops_per_step=model_flops_per_step(arch, seq_length=chosen.seq_length, tp=chosen.tp,
                                                   global_batch_size=chosen.global_batch_size),
         ns_flops_per_step=manifest.ns_flops_per_step, tokens_per_step=chosen.global_batch_size * chosen.seq_length,
         train_iters=iters, tflops_per_gpu=tflops_per_gpu, tflops_source=source, notes=tuple(notes))

@@ -7,7 +7,8 @@ it), so ``nemo llm plan`` runs the installed function's own source instead: the 
 installed file, compiled with its module-level names bound to plain stand-ins (``F.silu`` a marker,
 ``LoRA`` a class no config is an instance of, ``calculate_padded_vocab_size`` compiled the same way from
 ``megatron/bridge/utils/vocab_utils.py``), and called on a ``cfg.model`` holding the provider fields the
-counter reads, mirrored from the HF ``config.json`` as AutoBridge maps them (:func:`provider_fields`).
+counter reads, mirrored from the model's ``recipes.architecture.Architecture`` (its HF ``config.json``) as
+AutoBridge maps them (:func:`provider_fields`).
 ``tests/test_plan.py`` checks both against the imported module on the real ``ConfigContainer``.
 """
 
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from bridge_ext.stack import UpstreamDrift, package_of
+from recipes.architecture import Architecture
 
 __all__ = ["FLOP_UTILS", "flop_counter", "import_cost_s", "model_flops_per_step", "provider_fields"]
 
@@ -96,37 +98,31 @@ def flop_counter() -> Callable[[Any, int], float]:
     return _functions(FLOP_UTILS, ("num_floating_point_operations",), namespace)["num_floating_point_operations"]
 
 
-def provider_fields(hf: dict[str, Any], *, seq_length: int, tp: int) -> dict[str, Any]:
+def provider_fields(arch: Architecture, *, seq_length: int, tp: int) -> dict[str, Any]:
     """The provider fields the FLOP counter reads, as AutoBridge maps an HF config (Qwen3, Qwen3-MoE,
     DeepSeek-V3 / Kimi K2); ``tests/test_plan.py`` compares them with the provider AutoBridge builds."""
-    h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    layers = hf["num_hidden_layers"]
-    experts = hf.get("n_routed_experts") or hf.get("num_experts")
-    mla = "kv_lora_rank" in hf
+    moe, mla = arch.moe, arch.mla
     fields: dict[str, Any] = {
-        "num_layers": layers, "hidden_size": h, "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads", heads), "ffn_hidden_size": hf["intermediate_size"],
-        "kv_channels": hf.get("head_dim") or h // heads, "vocab_size": hf["vocab_size"],
-        "make_vocab_size_divisible_by": _vocab_divisor(hf["vocab_size"]), "tensor_model_parallel_size": tp,
+        "num_layers": arch.num_layers, "hidden_size": arch.hidden_size, "num_attention_heads": arch.num_attention_heads,
+        "num_query_groups": arch.num_kv_heads, "ffn_hidden_size": arch.ffn_hidden_size,
+        "kv_channels": arch.head_dim, "vocab_size": arch.vocab_size,
+        "make_vocab_size_divisible_by": _vocab_divisor(arch.vocab_size), "tensor_model_parallel_size": tp,
         "seq_length": seq_length,
-        "gated_linear_unit": True, "activation_func": SILU, "num_moe_experts": experts,
-        "moe_ffn_hidden_size": hf.get("moe_intermediate_size") if experts else None,
-        "moe_router_topk": hf.get("num_experts_per_tok", 2) if experts else 2,
-        "moe_shared_expert_intermediate_size": None, "mtp_num_layers": None, "multi_latent_attention": mla,
+        "gated_linear_unit": True, "activation_func": SILU, "num_moe_experts": moe.experts if moe else None,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size if moe else None,
+        "moe_router_topk": moe.top_k if moe else 2,
+        "moe_shared_expert_intermediate_size": None, "mtp_num_layers": None, "multi_latent_attention": mla is not None,
         "moe_layer_freq": 1,
     }
-    if mla:
-        first_dense = hf.get("first_k_dense_replace", 0)
-        fields.update(make_vocab_size_divisible_by=1280,  # megatron/bridge/models/deepseek/deepseek_v3_bridge.py
-                      kv_channels=hf.get("head_dim") or hf["qk_rope_head_dim"],  # transformers' DeepseekV3Config
-                      q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-                      qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
-                      v_head_dim=hf["v_head_dim"],
-                      moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense))
-    if experts and hf.get("n_shared_experts"):
-        fields["moe_shared_expert_intermediate_size"] = hf["n_shared_experts"] * hf["moe_intermediate_size"]
-    if hf.get("num_nextn_predict_layers"):
-        fields["mtp_num_layers"] = None  # AutoBridge does not build MTP layers for pre-training by default
+    if mla is not None:
+        # megatron/bridge/models/deepseek/deepseek_v3_bridge.py: [0] * first_k_dense_replace + [1] * the rest
+        fields.update(make_vocab_size_divisible_by=1280, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                      qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+                      v_head_dim=mla.v_head_dim,
+                      moe_layer_freq=[int(arch.is_moe(layer)) for layer in range(arch.num_layers)])
+    if moe and moe.shared_experts:
+        fields["moe_shared_expert_intermediate_size"] = moe.shared_ffn_hidden_size
+    # num_nextn_predict_layers: AutoBridge does not build MTP layers for pre-training by default (mtp_num_layers None)
     return fields
 
 
@@ -138,9 +134,9 @@ def _vocab_divisor(vocab_size: int) -> int:
     return base
 
 
-def model_flops_per_step(hf: dict[str, Any], *, seq_length: int, tp: int, global_batch_size: int) -> float:
+def model_flops_per_step(arch: Architecture, *, seq_length: int, tp: int, global_batch_size: int) -> float:
     """Megatron Bridge's model FLOPs for one optimizer step (``global_batch_size`` sequences)."""
-    cfg = SimpleNamespace(model=SimpleNamespace(**provider_fields(hf, seq_length=seq_length, tp=tp)),
+    cfg = SimpleNamespace(model=SimpleNamespace(**provider_fields(arch, seq_length=seq_length, tp=tp)),
                           peft=None, dataset=None)
     return float(flop_counter()(cfg, global_batch_size))
 

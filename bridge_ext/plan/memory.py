@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bridge_ext.plan.ranks import RankParams, Tensor
+from recipes.architecture import Architecture
 from recipes.layouts import Layout
 
-__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "model_state", "verdict"]
+__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "layer_wise_share", "model_state", "verdict"]
 
 GB = 2**30  # GiB: nvidia-smi's unit; the datasheets' "80 GB" H100 has 81,559 MiB
 # Memory per GPU as NVIDIA's datasheets state it, taken as GiB.
@@ -70,7 +71,7 @@ def verdict(total_bytes: float, gpu: str) -> Literal["fits", "tight", "does not 
     return "fits" if total_bytes <= HEADROOM * capacity else "tight" if total_bytes <= capacity else "does not fit"
 
 
-def _layer_wise_share(tensors: list[Tensor], size: int) -> list[list[Tensor]]:
+def layer_wise_share(tensors: list[Tensor], size: int) -> list[list[Tensor]]:
     """``LayerWiseDistributedOptimizer.shard_params``: the tensors each of ``size`` ranks updates.
 
     Sorted by size (stable, Muon's group before Adam's as ``get_megatron_muon_optimizer`` chains them) and
@@ -101,7 +102,7 @@ def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, m
     elif optimizer == "dist_muon" and max(dp_cp, expert_dp) > 1:
         # dense tensors over the DP group, experts over the expert-DP group: a GPU has a share of each, and the
         # largest of both on one GPU is the worst case (exact when either group has one rank)
-        worst = [max(_layer_wise_share([t for t in tensors if t.expert == expert], size), key=state)
+        worst = [max(layer_wise_share([t for t in tensors if t.expert == expert], size), key=state)
                  for expert, size in ((False, dp_cp), (True, expert_dp))]
         owned, main = sum(map(state, worst)), sum(t.numel for share in worst for t in share) * main_b
     else:
@@ -111,40 +112,38 @@ def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, m
 
 
 # ---------------------------------------------------------------------------------------------- activations
-def _attention_elements(hf: dict[str, Any], drop: set[str]) -> tuple[float, float]:
+def _attention_elements(arch: Architecture, drop: set[str]) -> tuple[float, float]:
     """Values kept per token by one attention block (its norm included), before TP/SP sharding:
     (other values, inputs of GEMMs, which FP8 recipes keep quantized)."""
-    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    h, heads = arch.hidden_size, arch.num_attention_heads
     norm = 0 if "layernorm" in drop else h  # the norm's output = the projections' input
-    if "kv_lora_rank" in hf:
-        nope, rope, v = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
-        q_rank, kv_rank = hf.get("q_lora_rank") or 0, hf["kv_lora_rank"]
+    if arch.mla is not None:
+        nope, rope, v = arch.mla.qk_nope_head_dim, arch.mla.qk_rope_head_dim, arch.mla.v_head_dim
+        q_rank, kv_rank = arch.mla.q_lora_rank or 0, arch.mla.kv_lora_rank
         down = q_rank + kv_rank + rope  # down-projection outputs (the latent norms' inputs)
         up_inputs = q_rank + kv_rank  # normed latents
         up = heads * (nope + rope) + heads * (nope + v)  # up-projection outputs
         qkv = heads * (2 * (nope + rope) + v)  # q, k (k_rope broadcast), v for the attention kernel
         kept = 0 if "mla_up_proj" in drop else up + qkv
         return h + down + kept, norm + up_inputs + heads * v
-    d = hf.get("head_dim") or h // heads
-    groups = hf["num_key_value_heads"]
+    d, groups = arch.head_dim, arch.num_kv_heads
     qkv = (heads + 2 * groups) * d
-    qk_norm = (heads + groups) * d if hf["model_type"].startswith("qwen3") else 0
+    qk_norm = (heads + groups) * d if arch.qk_norm else 0
     return h + qkv + qk_norm, norm + heads * d
 
 
-def _mlp_elements(hf: dict[str, Any], moe: bool, drop: set[str]) -> tuple[float, float]:
+def _mlp_elements(arch: Architecture, moe: bool, drop: set[str]) -> tuple[float, float]:
     """Values kept per token by one MLP / MoE block (its norm included): (other values, GEMM inputs).
 
     A routed token keeps its dispatched input, its fc1 output (the SwiGLU input; megatron-core applies the
     router probability inside the activation) and its fc2 input, once per expert it is routed to."""
-    h = hf["hidden_size"]
+    h = arch.hidden_size
     norm = 0 if "layernorm" in drop else h
-    if not moe:
-        ffn = hf["intermediate_size"]
+    if not moe or arch.moe is None:
+        ffn = arch.ffn_hidden_size
         return (h, norm) if "mlp" in drop else (h + 2 * ffn, norm + ffn)
-    experts = hf.get("n_routed_experts") or hf["num_experts"]
-    k, width = hf["num_experts_per_tok"], hf["moe_intermediate_size"]
-    shared = (hf.get("n_shared_experts") or 0) * width
+    experts, k, width = arch.moe.experts, arch.moe.top_k, arch.moe.ffn_hidden_size
+    shared = arch.moe.shared_ffn_hidden_size
     other, gemm = h + 2 * experts, norm  # residual, router probabilities in fp32 (2 bf16 values)
     if "moe" not in drop:
         other += 0 if "moe_act" in drop else k * 2 * width
@@ -154,11 +153,9 @@ def _mlp_elements(hf: dict[str, Any], moe: bool, drop: set[str]) -> tuple[float,
     return other, gemm
 
 
-def activation_bytes(hf: dict[str, Any], layout: Layout, rank: RankParams, *, micro_batches: int,
+def activation_bytes(arch: Architecture, layout: Layout, rank: RankParams, *, micro_batches: int,
                      recompute: dict[str, Any]) -> float:
     """Activation memory of pipeline rank ``rank`` (bytes, estimate; see the module docstring)."""
-    from recipes.params import _is_moe_layer
-
     tokens = layout.micro_batch_size * layout.seq_length / layout.cp / layout.tp  # per TP rank (SP)
     value = 4 if layout.precision == "fp32" else 2
     gemm_value = 1 + 1 / 32 if "fp8" in layout.precision else value  # FP8 keeps GEMM inputs quantized (+ scales)
@@ -166,11 +163,11 @@ def activation_bytes(hf: dict[str, Any], layout: Layout, rank: RankParams, *, mi
     drop = set(recompute.get("recompute_modules") or ["core_attn"]) if granularity == "selective" else set()
     per_layer = {}
     for layer in rank.layers:
-        parts = (_attention_elements(hf, drop), _mlp_elements(hf, _is_moe_layer(hf, layer), drop))
+        parts = (_attention_elements(arch, drop), _mlp_elements(arch, arch.is_moe(layer), drop))
         per_layer[layer] = tokens * sum(other * value + gemm * gemm_value for other, gemm in parts)
     if granularity == "full":
         n = recompute.get("recompute_num_layers") or 1
-        stored = [tokens * hf["hidden_size"] * value] * len(rank.layers)  # each layer's input
+        stored = [tokens * arch.hidden_size * value] * len(rank.layers)  # each layer's input
         if recompute.get("recompute_method") == "block":
             kept = [per_layer[layer] for layer in rank.layers[n:]]
             stage = sum(stored[:n]) + sum(kept)
@@ -187,7 +184,6 @@ def activation_bytes(hf: dict[str, Any], layout: Layout, rank: RankParams, *, mi
         in_flight = min(pp - rank.pp_rank, micro_batches)
     total = stage * in_flight + live
     names = {t.name for t in rank.tensors}
-    if "output_layer.weight" in names or (pp == 1 and hf.get("tie_word_embeddings")):
-        vocab = hf["vocab_size"]
-        total += tokens * (hf["hidden_size"] * value + vocab * 4)  # output-layer input, fp32 logits
+    if "output_layer.weight" in names or (pp == 1 and arch.tie_word_embeddings):
+        total += tokens * (arch.hidden_size * value + arch.vocab_size * 4)  # output-layer input, fp32 logits
     return total

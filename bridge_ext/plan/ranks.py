@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from recipes.architecture import Architecture
 from recipes.layouts import Layout, pipeline_stages
 
 __all__ = ["Spec", "Tensor", "RankParams", "rank_params"]
@@ -99,11 +100,11 @@ def _numel(name: str, shape: tuple[int, ...], *, tp: int, etp: int, spec: Spec, 
     return numel  # norms, router, linear_proj.bias: replicated
 
 
-def rank_params(hf: dict[str, Any], rows: Any, layout: Layout, *, spec: Spec = "te",
+def rank_params(arch: Architecture, rows: Any, layout: Layout, *, spec: Spec = "te",
                 tied: bool | None = None) -> list[RankParams]:
     """Per pipeline rank, the tensors it holds (``rows``: ``MuonPlan.rows`` of the recipe's model)."""
-    tied = hf.get("tie_word_embeddings", False) if tied is None else tied
-    stages = _stages(layout, hf["num_hidden_layers"])
+    tied = arch.tie_word_embeddings if tied is None else tied
+    stages = _stages(layout, arch.num_layers)
     pp, experts_per_rank = layout.pp, None
     per_rank: list[list[Tensor]] = [[] for _ in range(pp)]
     layers_of: list[list[int]] = [[] for _ in range(pp)]
