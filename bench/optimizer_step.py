@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         init_single_process_distributed()
     else:
-        from bridge_ext.compat import apply_stack_fixes
+        from bridge_ext import patches
 
-        apply_stack_fixes()
+        patches.apply("stack")
     muon_name = args.recipe
     adamw_name = get_recipe(muon_name).twin
     if not adamw_name:

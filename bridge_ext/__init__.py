@@ -1,7 +1,7 @@
 """Our extensions to Megatron Bridge: recipe building, overrides, CLI, conversion, CPU mode."""
 
-from bridge_ext.te_guard import install_te_import_guard as _install_te_import_guard
+from bridge_ext.patches import apply as _apply_patches
 
-# Importing megatron.bridge without Transformer Engine fails on an unguarded import (see te_guard); guarding
-# it here lets any code that imports bridge_ext use Megatron Bridge on such machines. Cheap: no imports.
-_install_te_import_guard()
+# Importing megatron.bridge without Transformer Engine fails on an unguarded import (bridge_ext.patches.import_time);
+# guarding it here lets any code that imports bridge_ext use Megatron Bridge on such machines. Cheap: no imports.
+_apply_patches("import")

@@ -10,7 +10,7 @@ import copy
 import functools
 from typing import TYPE_CHECKING
 
-from bridge_ext.te_guard import install_te_import_guard
+from bridge_ext import patches
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields, load_hf_config
 
@@ -75,7 +75,7 @@ def megatron_warnings_once() -> None:
 
 def model_provider(recipe: Recipe):
     """Megatron provider for the recipe's model, from its shipped HF config (no weights)."""
-    install_te_import_guard()
+    patches.apply("import")
     from megatron.bridge import AutoBridge
 
     hf_config = load_hf_config(recipe.model.config_dir)
@@ -130,7 +130,7 @@ def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
 def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
 
-    from bridge_ext.compat import check_optimizer_fields
+    from bridge_ext.patches.adapters import check_optimizer_fields
     from bridge_ext.muon import apply_preset
 
     preset = recipe.preset
@@ -167,7 +167,7 @@ def _resolve_train_iters(cfg: ConfigContainer, recipe: Recipe) -> None:
 
 def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
     """The recipe's full ``ConfigContainer`` on the named layout (default: the recipe's first)."""
-    from bridge_ext.compat import pretrain_template
+    from bridge_ext.patches.adapters import pretrain_template
 
     chosen = recipe.layout(layout)
     problems = chosen.problems(recipe.model.num_layers)

@@ -1,5 +1,5 @@
-"""What is installed and what it can do: the ground floor that the stack fixes (``compat``), the Transformer
-Engine import guard (``te_guard``) and CPU mode (``cpu_mode``) all read. Imports nothing of ours but errors.
+"""What is installed and what it can do: the ground floor that every patch (``bridge_ext.patches``: stack fixes,
+the Transformer Engine import guard, CPU mode) reads. Imports nothing of ours.
 
 Nothing here tests version numbers: versions only name the package in messages. Decisions are made on what
 the installed code offers: a dataclass field, a keyword in a signature, a snippet in a function's source.
@@ -9,6 +9,7 @@ so a patch release that moves lines keeps working and a real change stops with o
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -19,6 +20,7 @@ from typing import Any
 __all__ = [
     "PACKAGES",
     "UpstreamDrift",
+    "call_keywords",
     "describe_stack",
     "expect_snippets",
     "have_transformer_engine",
@@ -103,3 +105,22 @@ def optimizer_muon_fields() -> tuple[str, ...]:
     from megatron.core.optimizer import OptimizerConfig
 
     return tuple(f.name for f in dataclasses.fields(OptimizerConfig) if f.name.startswith("muon_"))
+
+
+@cache
+def call_keywords(module_name: str, callee: str, *, inside: str | None = None) -> frozenset[str]:
+    """Keyword names passed in calls to ``callee`` (a name or an attribute's last part) in a module's source,
+    optionally only inside the class or function named ``inside``."""
+    tree = ast.parse(module_source(module_name))
+    if inside is not None:
+        scopes = [node for node in ast.walk(tree)
+                  if isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name == inside]
+        tree = ast.Module(body=scopes, type_ignores=[])
+    keywords: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == callee:
+                keywords.update(k.arg for k in node.keywords if k.arg)
+    return frozenset(keywords)

@@ -41,7 +41,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
     """
     import torch
 
-    from bridge_ext.compat import apply_stack_fixes
+    from bridge_ext import patches
 
     if device == "gpu" and not torch.cuda.is_available():
         raise UserError("--device gpu but no GPU is visible; use --device cpu for proxy recipes")
@@ -65,7 +65,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
 
         check_real_data(cfg)  # the tokenizer fits the model; the blend exists and was made with this tokenizer
         use_megatron_tokenizer(cfg, quiet=quiet)  # a Kimi K2 (tiktoken) directory: converted once, no remote code
-    apply_stack_fixes()  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
+    patches.apply("stack")  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
     if use_cpu:
         from bridge_ext import cpu_mode
 

@@ -14,7 +14,7 @@ import torch
 from bridge_ext import cpu_mode as cm
 from bridge_ext.hf import apply_config_stated_fields
 from bridge_ext.stack import UpstreamDrift, have_transformer_engine
-from bridge_ext.te_guard import MISSING_TE, guard_source, guarded_modules
+from bridge_ext.patches.import_time import MISSING_TE, guard_source, guarded_modules
 
 pytestmark = pytest.mark.stack  # CPU-mode fixes, matched by content in each stack: .ci/run runs these on every stack
 
@@ -121,7 +121,7 @@ def test_te_import_guard_rewrites_only_module_level_unguarded_imports():
     source = ("import os\nimport transformer_engine.pytorch as te\ntry:\n"
               "    import transformer_engine.pytorch as te2\nexcept ImportError:\n    pass\n")
     guarded = guard_source(source)
-    assert guarded.splitlines() == ["import os", "from bridge_ext.te_guard import MISSING_TE as te", "try:",
+    assert guarded.splitlines() == ["import os", "from bridge_ext.patches.import_time import MISSING_TE as te", "try:",
                                     "    import transformer_engine.pytorch as te2", "except ImportError:", "    pass"]
     assert guard_source("import torch\n") is None  # nothing to guard: the module imports unchanged
 

@@ -61,9 +61,9 @@ def test_tokenizer_round_trips_with_transformers_offline(monkeypatch):
 
 
 def test_tokenizer_loads_through_megatron_bridge():
-    from bridge_ext.te_guard import install_te_import_guard
+    from bridge_ext import patches
 
-    install_te_import_guard()
+    patches.apply("import")
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 

@@ -178,9 +178,9 @@ def test_loss_mask_covers_only_the_last_answer(tmp_path):
     from transformers import AutoTokenizer
 
     from bridge_ext.finetune.data import prepare_sft_data, sft_dataset_kwargs
-    from bridge_ext.te_guard import install_te_import_guard
+    from bridge_ext import patches
 
-    install_te_import_guard()
+    patches.apply("import")
     from megatron.bridge.data.datasets.sft import create_sft_dataset
     from megatron.bridge.training.config import TokenizerConfig
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer

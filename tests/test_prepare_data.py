@@ -192,10 +192,10 @@ def test_qwen_style_dir_encodes_as_transformers(dirs):
 
 def test_kimi_tokenizer_in_megatron_bridge_gives_the_same_ids(dirs, tiktoken_cache):
     """What `pretrain` builds from the converted directory (Megatron Bridge's own build_tokenizer)."""
-    from bridge_ext.te_guard import install_te_import_guard
+    from bridge_ext import patches
     from bridge_ext.tokenizers import megatron_tokenizer_dir
 
-    install_te_import_guard()
+    patches.apply("import")
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 

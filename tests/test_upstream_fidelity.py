@@ -92,9 +92,9 @@ def offline_hub(monkeypatch):
     """MB's recipes call ``AutoBridge.from_hf_pretrained(hub_id)``: serve the shipped config dir instead."""
     import torch
 
-    from bridge_ext.te_guard import install_te_import_guard
+    from bridge_ext import patches
 
-    install_te_import_guard()
+    patches.apply("import")
     from megatron.bridge import AutoBridge
 
     shipped = {spec.hf_id: spec.config_dir for spec in MODELS.values() if spec.proxy_of is None}
@@ -212,7 +212,7 @@ def test_nvidia_perf_ddp_and_coefficients_match_megatron_bridges_kimi_k2_muon_re
 
 
 def test_train_length_without_a_budget_is_megatron_bridges_template():
-    from bridge_ext.compat import pretrain_template
+    from bridge_ext.patches.adapters import pretrain_template
     from recipes.budget import UNSTATED_TRAIN_ITERS
 
     assert pretrain_template().train.train_iters == UNSTATED_TRAIN_ITERS

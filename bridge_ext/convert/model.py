@@ -21,9 +21,9 @@ def _use_cpu() -> bool:
 
 def _prepare_runtime() -> bool:
     """Import guards, CPU mode when no GPU is visible, and DeepSeek SequentialMLP mappings. True on CPU."""
-    from bridge_ext.te_guard import install_te_import_guard
+    from bridge_ext import patches
 
-    install_te_import_guard()
+    patches.apply("import")
     cpu = _use_cpu()
     if cpu:
         from bridge_ext import cpu_mode

@@ -5,7 +5,7 @@ snippet that must still occur in the module, never a line number), so patch rele
 working and a real change stops CPU mode with one line naming the package and version
 (``tests/test_cpu_mode.py`` checks every target on every stack CI runs). CPU mode is only active once
 :func:`enable_cpu_mode` ran (the CLI calls it for ``--device cpu`` or when no GPU is visible), never on a
-normal GPU run. The Transformer Engine import guard lives in ``bridge_ext.te_guard``.
+normal GPU run. The Transformer Engine import guard lives in ``bridge_ext.patches.import_time``.
 
 CPU mode is a development and testing mode: it runs Megatron Bridge's real ``pretrain()`` loop (data,
 forward, backward, optimizer step, clipping, LR schedule, logging, torch_dist checkpoints) on CPU processes
@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from bridge_ext.compat import apply_stack_fixes
+from bridge_ext import patches
 from bridge_ext.cpu_config import (  # re-exported: CPU mode's settings and process setup
     configure_for_cpu, cpu_layer_spec, init_cpu_distributed, init_single_process_distributed, launched_world_size,
     reset_megatron_globals, validation_without_gpu,
@@ -38,7 +38,6 @@ from bridge_ext.cpu_config import (  # re-exported: CPU mode's settings and proc
 from bridge_ext.cpu_mode import distributed, patching, redirect, single_process
 from bridge_ext.sdpa_attention import SDPACoreAttention
 from bridge_ext.stack import UpstreamDrift
-from bridge_ext.te_guard import install_te_import_guard
 
 __all__ = [
     "SDPACoreAttention",
@@ -105,8 +104,8 @@ def enable_cpu_mode() -> None:
     global _active
     if _active:
         return
-    install_te_import_guard()
-    apply_stack_fixes()
+    patches.apply("import")
+    patches.apply("stack")
     problems = check_patch_targets()
     if problems:
         more = f" (and {len(problems) - 1} more; tests/test_cpu_mode.py lists them)" if len(problems) > 1 else ""

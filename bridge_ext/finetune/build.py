@@ -1,6 +1,6 @@
 """Fine-tuning recipe -> Megatron Bridge's SFT / PEFT ``ConfigContainer``.
 
-Starts from Megatron Bridge's own fine-tuning template (``bridge_ext.compat.finetune_template``), then the
+Starts from Megatron Bridge's own fine-tuning template (``bridge_ext.patches.adapters.finetune_template``), then the
 recipe's three parts exactly as pre-training does (``bridge_ext.build``: model provider from the shipped HF
 config, layout, optimizer preset), then the fine-tuning data (``FinetuningDatasetConfig`` over the rendered
 JSONL; packed as Megatron Bridge packs when the recipe says so) and, for LoRA, Megatron Bridge's ``LoRA``.
@@ -34,7 +34,7 @@ def build_finetune_config(recipe: FinetuneRecipe, *, layout: str | None = None) 
     from megatron.bridge.training.config import FinetuningDatasetConfig
 
     from bridge_ext.build import _apply_layout, _apply_preset, model_provider, resolve_for_run
-    from bridge_ext.compat import finetune_template
+    from bridge_ext.patches.adapters import finetune_template
     from bridge_ext.finetune.data import sft_dataset_kwargs
     from bridge_ext.overrides import set_dotted
 
@@ -59,9 +59,9 @@ def build_finetune_config(recipe: FinetuneRecipe, *, layout: str | None = None) 
     if recipe.mode == "lora":
         from megatron.bridge.peft.lora import LoRA
 
-        from bridge_ext.te_guard import peft_without_te
+        from bridge_ext import patches
 
-        peft_without_te()  # LoRA on machines without Transformer Engine (CPU)
+        patches.apply("lora")  # LoRA on machines without Transformer Engine (CPU): peft-have-te
 
         cfg.peft = LoRA(**{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recipe.lora.items()})
     else:

@@ -1,24 +1,30 @@
-"""Let ``import megatron.bridge`` succeed without Transformer Engine (TE).
+"""Import-time patches: Megatron Bridge without Transformer Engine (TE).
 
-megatron-bridge 0.3.x imports TE unguarded at module level in ``megatron/bridge/peft/lora_layers.py`` and
-``megatron/bridge/peft/lora.py`` (``import transformer_engine.pytorch as te``), reached from
-``megatron.bridge.__init__``. On a machine without TE (a CPU, a dev box) every import of Megatron Bridge
-fails there. The guard below finds such a line by its content in any ``megatron.bridge`` module as it is
-imported, and binds the name to :data:`MISSING_TE` instead: TE stays absent, so every ``HAVE_TE`` guard
-upstream takes its non-TE path. Modules without such a line import unchanged; with TE installed the guard is
-never installed.
+* ``te-import-guard`` (scope ``import``, applied when ``bridge_ext`` is imported): megatron-bridge 0.3.x imports
+  TE unguarded at module level in ``megatron/bridge/peft/lora_layers.py`` and ``megatron/bridge/peft/lora.py``
+  (``import transformer_engine.pytorch as te``), reached from ``megatron.bridge.__init__``; on a machine
+  without TE (a CPU, a dev box) every import of Megatron Bridge fails there. An import hook finds such a line
+  by its content in any ``megatron.bridge`` module as it is imported and binds the name to :data:`MISSING_TE`
+  instead: TE stays absent, so every ``HAVE_TE`` guard upstream takes its non-TE path. Modules without such a
+  line import unchanged; with TE installed the hook is never installed.
+* ``peft-have-te`` (scope ``lora``): ``megatron/bridge/peft/utils.py`` sets ``HAVE_TE`` from
+  ``safe_import_from(megatron.core.extensions.transformer_engine, ...)``, which succeeds without TE because
+  megatron-core binds placeholders (mocks, not classes) there; ``get_adapter_attributes_from_linear`` then calls
+  ``isinstance(m, <placeholder>)`` -> TypeError. The flag is turned off where those names are not classes.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import re
 import sys
 
+from bridge_ext.patches.core import Patch
 from bridge_ext.stack import have_transformer_engine
 
-__all__ = ["MISSING_TE", "guarded_modules", "install_te_import_guard"]
+__all__ = ["MISSING_TE", "PATCHES", "guard_source", "guarded_modules"]
 
 # A module-level (column 0) unguarded import of TE's PyTorch API under any alias.
 _UNGUARDED_TE = re.compile(r"^import transformer_engine\.pytorch as (\w+)[ \t]*$", re.MULTILINE)
@@ -58,7 +64,7 @@ _guarded: list[str] = []
 
 def guard_source(source: str) -> str | None:
     """``source`` with each unguarded TE import bound to :data:`MISSING_TE`, or None when it has none."""
-    guarded, count = _UNGUARDED_TE.subn(r"from bridge_ext.te_guard import MISSING_TE as \1", source)
+    guarded, count = _UNGUARDED_TE.subn(rf"from {__name__} import MISSING_TE as \1", source)
     return guarded if count else None
 
 
@@ -89,13 +95,9 @@ class _TEImportGuard(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install_te_import_guard() -> bool:
-    """Install the guard when TE is absent (idempotent). Returns True when the guard is active."""
-    if have_transformer_engine():
-        return False
+def _install_te_import_guard() -> None:
     if not any(isinstance(finder, _TEImportGuard) for finder in sys.meta_path):
         sys.meta_path.insert(0, _TEImportGuard())
-    return True
 
 
 def guarded_modules() -> tuple[str, ...]:
@@ -103,23 +105,34 @@ def guarded_modules() -> tuple[str, ...]:
     return tuple(_guarded)
 
 
-__all__ += ["peft_without_te"]
+_PEFT_UTILS = "megatron.bridge.peft.utils"
 
 
-def peft_without_te() -> bool:
-    """Megatron Bridge's LoRA without TE: ``megatron/bridge/peft/utils.py`` sets ``HAVE_TE`` from
-    ``safe_import_from(megatron.core.extensions.transformer_engine, ...)``, which succeeds without TE because
-    megatron-core binds placeholders (mocks, not classes) there; ``get_adapter_attributes_from_linear`` then
-    calls ``isinstance(m, <placeholder>)`` -> TypeError. Turns that flag off when the names are not classes.
-    Returns True when it did."""
+def _peft_flag_wrong() -> bool:
     if have_transformer_engine():
         return False
-    install_te_import_guard()
-    import importlib
-
-    utils = importlib.import_module("megatron.bridge.peft.utils")
+    utils = importlib.import_module(_PEFT_UTILS)
     names = [getattr(utils, n, None) for n in ("TEColumnParallelLinear", "TERowParallelLinear")]
-    if getattr(utils, "HAVE_TE", False) and not all(isinstance(n, type) for n in names):
-        utils.HAVE_TE = False
-        return True
-    return False
+    return bool(getattr(utils, "HAVE_TE", False)) and not all(isinstance(n, type) for n in names)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="te-import-guard", area="import", scope="import",
+        module="sys", attr="meta_path",
+        upstream="megatron/bridge/peft/lora.py, lora_layers.py: module-level `import transformer_engine.pytorch as te`",
+        why="without TE every import of megatron.bridge fails there; the name is bound to a stand-in instead",
+        when="Transformer Engine is not installed",
+        needed=lambda: not have_transformer_engine(),
+        install=_install_te_import_guard,
+    ),
+    Patch(
+        name="peft-have-te", area="import", scope="lora",
+        module=_PEFT_UTILS, attr="HAVE_TE",
+        upstream="megatron/bridge/peft/utils.py HAVE_TE = safe_import_from(megatron.core.extensions.transformer_engine)",
+        why="without TE megatron-core binds mocks there, HAVE_TE is True and isinstance(m, <mock>) raises TypeError",
+        when="Transformer Engine is not installed and peft/utils.py's TE names are not classes",
+        needed=_peft_flag_wrong,
+        make=lambda old: False,
+    ),
+)

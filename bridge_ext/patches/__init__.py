@@ -1,0 +1,35 @@
+"""Every change we make to upstream behaviour (Megatron Bridge, megatron-core, emerging-optimizers, torch), in one
+package, with one mechanism (:class:`Patch`) and one registry (:data:`REGISTRY`).
+
+A patch names the upstream code it works around, the condition it applies under (decided from the installed
+code by capability, never by version numbers), the code it relies on (matched by content: drift is one line
+naming the package and version) and when it is applied (its scope). Modules by upstream area:
+
+* ``import_time``: Megatron Bridge without Transformer Engine (the import guard, PEFT's ``HAVE_TE``).
+* ``optimizer``: megatron-core's Muon vs emerging-optimizers, Newton-Schulz coefficients, the gate/up split,
+  MuonClip, Muon over LoRA adapters.
+* ``training``: Megatron Bridge's start-up, scheduler and dry-run validation.
+* ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts.
+* ``conversion``: SequentialMLP experts in Megatron Bridge's HF conversion.
+* ``cpu``: CPU mode (CUDA redirected per module, targeted patches, recompiled functions).
+
+``adapters`` holds the stack adapters (which upstream entry point to call; nothing is changed upstream).
+Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, for a new scope, a call of
+:func:`apply` where it must take effect); tests/test_patches.py and docs/patches.md pick it up.
+``python -m bridge_ext.patches`` prints the table (``--markdown``: docs/patches.md).
+"""
+
+from bridge_ext.patches.core import Area, Patch, Scope
+from bridge_ext.patches.registry import (
+    REGISTRY,
+    applied,
+    applied_here,
+    apply,
+    drift,
+    markdown,
+    table,
+    temporarily,
+)
+
+__all__ = ["REGISTRY", "Area", "Patch", "Scope", "applied", "applied_here", "apply", "drift", "markdown", "table",
+           "temporarily"]

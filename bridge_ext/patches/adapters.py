@@ -1,0 +1,140 @@
+"""Stack adapters: where our code meets an API that differs between the stacks we support, decided by what
+the installed code offers. Not patches (nothing upstream is changed): choices of which upstream entry point
+to call, and which names to use.
+
+* :func:`pretrain_template`, :func:`finetune_template`: Megatron Bridge's base ``ConfigContainer`` for a task,
+  from ``recipes/common.py`` where it exists (megatron-bridge 0.3.1), else built from the same classes and
+  values (0.3.0, whose recipes build it inline).
+* :func:`check_optimizer_fields`: a preset's ``muon_*`` field that the installed megatron-core lacks is a
+  ``UserError``, never silently dropped (``optimizer_fields`` maps renamed fields).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from bridge_ext.stack import optimizer_muon_fields, package_of
+
+__all__ = ["check_optimizer_fields", "finetune_template", "pretrain_template"]
+
+
+def pretrain_template():
+    """Megatron Bridge's base pre-training ``ConfigContainer`` (every upstream recipe starts from it).
+
+    megatron-bridge 0.3.1 has it as ``recipes/common.py`` ``_pretrain_common()``; 0.3.0 (the NeMo 26.02
+    container's) predates that module, and each of its recipes builds the same container inline: there the
+    same template is built from Megatron Bridge's own config classes (:func:`_pretrain_common_inline`).
+    """
+    from bridge_ext.patches.registry import apply
+
+    apply("import")
+    if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:
+        recipes_common = importlib.import_module("megatron.bridge.recipes.common")
+        if hasattr(recipes_common, "_pretrain_common"):
+            return recipes_common._pretrain_common()
+    return _pretrain_common_inline()
+
+
+def _pretrain_common_inline():
+    """``_pretrain_common()`` of megatron-bridge 0.3.1, for releases without ``recipes/common.py``.
+
+    Values as upstream's, except the output directories, which every recipe of ours replaces anyway.
+    """
+    from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, GPTDatasetConfig,
+        LoggerConfig, RNGConfig, TokenizerConfig, TrainingConfig,
+    )
+
+    optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
+        lr_warmup_iters=500, lr_decay_iters=None, max_lr=3e-4, min_lr=3e-5)
+    return ConfigContainer(
+        model=None,  # type: ignore[arg-type]
+        train=TrainingConfig(train_iters=300000, eval_interval=500, eval_iters=32, global_batch_size=32,
+                             micro_batch_size=2, manual_gc=True, manual_gc_interval=100, manual_gc_eval=100),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ddp=DistributedDataParallelConfig(
+            check_for_nan_in_grad=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+            overlap_param_gather=True, average_in_collective=True,
+            data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True),
+        dataset=GPTDatasetConfig(
+            random_seed=1234, reset_attention_mask=False, reset_position_ids=False, eod_mask_loss=False,
+            seq_length=4096, num_dataset_builder_threads=1, blend=None, blend_per_split=None, split="9999,8,2",
+            data_sharding=True, dataloader_type="single", skip_getting_attention_mask_from_dataset=True),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir="nemo_experiments/default/tb_logs",
+                            log_timers_to_tensorboard=True),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None),
+        checkpoint=CheckpointConfig(save_interval=500, save="nemo_experiments/default/checkpoints",
+                                    load="nemo_experiments/default/checkpoints", ckpt_format="torch_dist",
+                                    fully_parallel_save=True),
+        rng=RNGConfig(seed=1234),
+        dist=DistributedInitConfig(),
+        comm_overlap=None,
+        mixed_precision="bf16_mixed",
+    )
+
+
+def finetune_template(mode: str):
+    """Megatron Bridge's base fine-tuning ``ConfigContainer``: ``_sft_common()`` (``mode="sft"``) or
+    ``_peft_common()`` (``"lora"``) of megatron-bridge 0.3.1 ``recipes/common.py``; on 0.3.0, which builds the
+    same container inside each recipe's ``_*_finetune_common``, from the same classes and values.
+    """
+    from bridge_ext.patches.registry import apply
+
+    apply("import")
+    if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:
+        recipes_common = importlib.import_module("megatron.bridge.recipes.common")
+        name = "_sft_common" if mode == "sft" else "_peft_common"
+        if hasattr(recipes_common, name):
+            return getattr(recipes_common, name)()
+    return _finetune_common_inline(mode)
+
+
+def _finetune_common_inline(mode: str):
+    """``_sft_common()`` / ``_peft_common()`` of megatron-bridge 0.3.1 (output directories: ours replace them)."""
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.recipes.utils.finetune_utils import default_squad_config
+    from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
+        RNGConfig, TokenizerConfig, TrainingConfig,
+    )
+
+    optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
+        lr_warmup_iters=50, lr_decay_iters=None, max_lr=5e-6 if mode == "sft" else 1e-4, min_lr=0.0, adam_beta2=0.98)
+    peft = None if mode == "sft" else LoRA(
+        target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=32, alpha=32, dropout=0.0,
+        dropout_position="pre", lora_A_init_method="xavier", lora_B_init_method="zero", a2a_experimental=False,
+        lora_dtype=None)
+    return ConfigContainer(
+        model=None,  # type: ignore[arg-type]
+        train=TrainingConfig(train_iters=1000, global_batch_size=128, micro_batch_size=1, eval_interval=100,
+                             eval_iters=32),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True),
+        dataset=default_squad_config(seq_length=2048, packed_sequence=True, pad_seq_to_mult=1),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir="nemo_experiments/default/tb_logs",
+                            log_timers_to_tensorboard=True),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None),
+        checkpoint=CheckpointConfig(save_interval=100, save="nemo_experiments/default/checkpoints",
+                                    load="nemo_experiments/default/checkpoints", pretrained_checkpoint=None,
+                                    ckpt_format="torch_dist", fully_parallel_save=True),
+        rng=RNGConfig(seed=5678),
+        dist=DistributedInitConfig(),
+        comm_overlap=None,
+        mixed_precision="bf16_mixed",
+        peft=peft,
+    )
+
+
+def check_optimizer_fields(preset: str, fields: dict) -> None:
+    """Fail clearly when a preset sets a Muon field the installed megatron-core does not have."""
+    from bridge_ext.errors import UserError
+
+    unknown = sorted(k for k in fields if k.startswith("muon_") and k not in optimizer_muon_fields())
+    if unknown:
+        raise UserError(f"optimizer preset '{preset}' sets {', '.join(unknown)}, which "
+                        f"{package_of('megatron.core')} does not have; pick another preset")

@@ -1,0 +1,163 @@
+"""The one patch mechanism: what a patch is, how it is checked against the installed code, how it is applied.
+
+A :class:`Patch` replaces (or sets) one upstream attribute, ``module.attr``, with what its ``make`` builds from
+the current value, or, for the few changes that are not one attribute (an import hook, a function every module
+imported by name), runs its ``install``. It applies where ``needed()`` says the installed code needs it (a
+capability check: a signature, a call site, a file, a snippet of source; CPU patches: always, once CPU mode is
+on) and fits where its ``snippets`` (code it relies on) still occur in the upstream module, matched by content,
+never by line number: a patch release that moves lines keeps working, a real change is one line naming the
+package, its version and the missing code (:class:`~bridge_ext.stack.UpstreamDrift`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
+
+__all__ = ["Area", "Patch", "Scope", "always", "owner_of", "problems", "rewrite", "rewritten", "set_value"]
+
+# The upstream area a patch works around (how docs/patches.md groups them).
+Area = Literal["optimizer", "training", "checkpointing", "conversion", "import", "cpu"]
+# When it is applied (``patches.apply(scope)``): at import of bridge_ext, on every run (stack fixes), when a
+# Muon preset is installed, for LoRA, around checkpoint saves and loads, for conversion, in CPU mode, and
+# for the duration of a dry run's validation (``patches.temporarily("dryrun")``).
+Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun"]
+
+
+def always() -> bool:
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Patch:
+    """One change to upstream behaviour (see the module docstring).
+
+    ``upstream``: the upstream file and function it works around, one line. ``when``: its condition in words
+    (docs/patches.md). ``needed``: decides it from the installed code; raises ``UpstreamDrift`` when that code
+    has a shape the patch does not know. ``snippets``: code that must still occur in ``module``;
+    ``elsewhere``: ``((module, snippets), ...)`` in other modules. ``accepts``: whether the target's current
+    value is one ``make`` knows how to replace. ``must_exist``: False when the patch binds a new name.
+    """
+
+    name: str
+    area: Area
+    scope: Scope
+    module: str
+    attr: str
+    upstream: str
+    why: str
+    when: str = "always"
+    needed: Callable[[], bool] = always
+    snippets: tuple[str, ...] = ()
+    elsewhere: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    make: Callable[[Any], Any] | None = None
+    install: Callable[[], None] | None = None
+    accepts: Callable[[Any], bool] | None = None
+    must_exist: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.make is None) == (self.install is None):
+            raise TypeError(f"patch {self.name}: give exactly one of make= and install=")
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+def owner_of(module: Any, attr: str) -> Any:
+    """The object that holds ``attr`` (``"Class.method"`` -> the class), or None when it is gone."""
+    owner = module
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    return owner if owner is not None and hasattr(owner, name) else None
+
+
+def _current(module: Any, attr: str) -> tuple[Any, str, Any]:
+    """(owner, name, current value) of a target; the value as the owner itself holds it (a staticmethod stays)."""
+    owner = owner_of(module, attr) or module
+    name = attr.rsplit(".", 1)[-1]
+    return owner, name, owner.__dict__.get(name, getattr(owner, name, None))
+
+
+def problems(patch: Patch) -> list[str]:
+    """What no longer matches upstream for this patch: one line each; empty when it fits."""
+    out: list[str] = []
+    for module_name, snippets in ((patch.module, patch.snippets), *patch.elsewhere):
+        try:
+            importlib.import_module(module_name)
+        except ImportError as exc:
+            out.append(f"{package_of(module_name)}: cannot import {module_name} ({exc}) ({patch.name})")
+            continue
+        if snippets:
+            out += [f"{package_of(module_name)}: {module_name} no longer contains {code!r} ({patch.name})"
+                    for code in missing_snippets(module_name, snippets)]
+    module = sys.modules.get(patch.module)
+    if module is None:
+        return out
+    if patch.must_exist and owner_of(module, patch.attr) is None:
+        out.append(f"{package_of(patch.module)}: {patch.target} is gone ({patch.name})")
+    elif patch.accepts is not None and not patch.accepts(_current(module, patch.attr)[2]):
+        out.append(f"{package_of(patch.module)}: {patch.target} is {_current(module, patch.attr)[2]!r} "
+                   f"({patch.name})")
+    return out
+
+
+def set_value(patch: Patch) -> tuple[Any, str, Any]:
+    """Replace (or set) the patch's attribute with what its ``make`` builds; returns (owner, name, old value)."""
+    owner, name, old = _current(importlib.import_module(patch.module), patch.attr)
+    setattr(owner, name, patch.make(old))
+    return owner, name, old
+
+
+def rewritten(qualname: str, replacements: tuple[tuple[str, str], ...]) -> Callable[[Any], Any]:
+    """``make`` for a patch that recompiles one upstream function with a few exact text replacements.
+
+    The function's own source is read, each ``old`` must occur in it (the patch's snippets are the ``old``
+    strings, so drift is reported first), and the result is compiled in the upstream module's globals under
+    the same name: every other line is upstream's, unchanged.
+    """
+
+    def make(old_function: Any) -> Any:
+        function = getattr(old_function, "__func__", old_function)
+        source = textwrap.dedent(inspect.getsource(function))
+        for old, new in replacements:
+            if old not in source:
+                raise UpstreamDrift(f"{package_of(function.__module__)}: {qualname} no longer contains {old!r}")
+            source = source.replace(old, new)
+        namespace: dict[str, Any] = {}
+        module = sys.modules[function.__module__]
+        exec(compile(source, f"<bridge_ext.patches: {function.__module__}.{qualname}>", "exec"),
+             module.__dict__, namespace)
+        return namespace[function.__name__]
+
+    return make
+
+
+def rewrite(name: str, module: str, qualname: str, replacements: tuple[tuple[str, str], ...], *, area: Area,
+            scope: Scope, upstream: str, why: str, when: str = "always",
+            helpers: Mapping[str, tuple[Callable, str]] | None = None,
+            also_expects: tuple[str, ...] = ()) -> tuple[Patch, ...]:
+    """The patches that recompile ``module.qualname`` with ``replacements`` (:func:`rewritten`).
+
+    ``helpers``: ``{global name: (function, why)}``, functions of ours that the replacement code calls, bound
+    in the upstream module first (each a patch of its own, ``"<name> (helper)"``, matched by the upstream code
+    its call replaces). ``also_expects``: further code of that function the replacements rely on.
+    """
+    olds = tuple(old for old, _ in replacements)
+    bound = tuple(
+        Patch(name=f"{name} (helper)", area=area, scope=scope, module=module, attr=attr, upstream=upstream,
+              why=helper_why, when=when, snippets=tuple(old for old, new in replacements if attr in new),
+              make=lambda old, function=function: function, must_exist=False)
+        for attr, (function, helper_why) in (helpers or {}).items()
+    )
+    return (*bound, Patch(name=name, area=area, scope=scope, module=module, attr=qualname, upstream=upstream,
+                          why=why, when=when, snippets=(*olds, *also_expects),
+                          make=rewritten(qualname, replacements)))

@@ -1,0 +1,141 @@
+"""CPU mode for several processes (torchrun, gloo): what DP, TP, PP and EP reach beyond one process's path.
+
+The distributed optimizer's CUDA type check, ``dist_muon``'s (layer-wise optimizer) all-gather of unequal
+sizes and its fp32 save, sequence parallelism with the local spec's torch norms, pipeline p2p buffers, and
+conversion under TP > 1. Versions: megatron-core 0.16.0-0.16.1, megatron-bridge 0.3.0-0.3.1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge_ext.patches.core import Patch, rewrite
+from bridge_ext.patches.cpu.redirect import real_torch
+
+__all__ = ["PATCHES", "TORCH_ON_CPU"]
+
+# Upstream modules whose global ``torch`` becomes a ``TorchOnCPU`` (as in ``single_process.TORCH_ON_CPU``).
+TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
+    # pipeline p2p: tensor-shape exchange buffers and receive buffers on the current CUDA device, synchronize
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        '(3,), device=torch.cuda.current_device(), dtype=torch.int64',
+        'tensor_send_prev.size(), device=torch.cuda.current_device(), dtype=torch.int64',
+        'device=torch.cuda.current_device(),',
+        'torch.cuda.synchronize()',
+    ),
+    # distributed optimizer: checkpoint shards and gathers allocated on the current CUDA device
+    "megatron.core.optimizer.distrib_optimizer": (
+        '(numel,), dtype=dtype, device=torch.cuda.current_device()',
+        'device = "cpu" if use_gloo_comm else torch.cuda.current_device()',
+    ),
+    # conversion under TP > 1 (nemo llm import --tp): replicated weights (norms, router) are moved to the CUDA
+    # device before their broadcast to the TP ranks. Also gives scatter_to_tp_ranks' torch.distributed.scatter
+    # of row-parallel shards (torch.chunk(dim=1) views) redirect's DistributedOnCPU.scatter, which sends copies.
+    "megatron.bridge.models.conversion.param_mapping": (
+        'if target_device.index != torch.cuda.current_device():',
+        'hf_weights = hf_weights.to(torch.cuda.current_device())',
+    ),
+}
+
+
+# distrib_optimizer.py's fp32/fp16/bf16 check asks for the legacy CUDA type names (megatron-core 0.16:
+# `_build_model_and_main_param_groups`, lines 361, 420, 431); a CPU parameter is 'torch.FloatTensor'.
+_DISTRIB_OPTIMIZER_TYPES = (
+    ("if model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:",
+     "if model_param.type() in ['torch.HalfTensor', 'torch.BFloat16Tensor']:"),
+    ("elif model_param.type() == 'torch.cuda.FloatTensor':", "elif model_param.type() == 'torch.FloatTensor':"),
+)
+
+# layer_wise_optimizer.py (dist_muon): `allgather_params` all-gathers each rank's flattened parameters, whose
+# sizes differ (an all_gather_v); gloo requires equal sizes. Every rank pads to the largest and trims.
+_LAYER_WISE_ALLGATHER = (
+    ("torch.distributed.all_gather(output_list, src, group=group)",
+     "_bridge_ext_all_gather_v(output_list, src, group)"),
+)
+
+# layer_wise_optimizer.py `sharded_state_dict` (torch_dist save) reads sd['optimizer'] for every chained
+# member, which only mixed-precision members have; an fp32 member (FP32Optimizer) is the torch optimizer's
+# own state dict ({'state', 'param_groups'}): KeyError 'optimizer' (megatron-core 0.16, line 289). The loop
+# sees an fp32 member through a {'optimizer': member} view, so its edits land in the member itself.
+_LAYER_WISE_SAVE = (
+    ("for sd in wrapped_sharded_state_dict.values():",
+     "for sd in (s if 'optimizer' in s else {'optimizer': s} for s in wrapped_sharded_state_dict.values()):"),
+    ("super().sharded_state_dict(", "super(LayerWiseDistributedOptimizer, self).sharded_state_dict("),
+    # It also marks every optimizer-state shard as the main replica (replica_id 0, "for fixed DP usage
+    # only"), which is right for the parameters it spread over the data-parallel ranks, but with one such
+    # rank it spreads nothing (`shard_params` returns early) while expert parameters may still be replicated
+    # over the expert-data-parallel ranks (TP2 with ETP1: both TP ranks hold every expert): two main
+    # replicas, "Invalid access pattern" on save and load. Then upstream's replica ids stay.
+    ("for sh_base in nested_values(sharded_state_dict):",
+     "for sh_base in (nested_values(sharded_state_dict) if self.dp_cp_params_list is not None else ()):"),
+)
+
+
+# transformer/torch_norm.py: the local spec's norms (no Apex, no TE) refuse sequence parallelism (`WrappedTorchNorm`,
+# megatron-core 0.16 line 32). Their weights only need what TE's and Apex's norms do: the `sequence_parallel`
+# flag, so that finalize_model_grads sums their gradients over the tensor-parallel ranks.
+_TORCH_NORM_SEQUENCE_PARALLEL = (
+    ('assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"', ""),
+    ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
+     "return _bridge_ext_sequence_parallel_norm(norm_cls(normalized_shape=hidden_size, eps=eps), config)"),
+)
+
+
+def _sequence_parallel_norm(norm: Any, config: Any) -> Any:
+    """Flag a norm's parameters as TE's and Apex's norms do (``setattr(p, 'sequence_parallel', ...)``)."""
+    for param in norm.parameters():
+        param.sequence_parallel = bool(config.sequence_parallel)
+    return norm
+
+
+def _all_gather_v(output_list: list, src: Any, group: Any) -> None:
+    """``all_gather`` of tensors of different sizes over gloo: pad to the largest, gather, copy back."""
+    torch = real_torch()
+    size = max(t.numel() for t in output_list)
+    padded = [torch.empty(size, dtype=src.dtype, device=src.device) for _ in output_list]
+    source = torch.zeros(size, dtype=src.dtype, device=src.device)
+    source[: src.numel()] = src
+    torch.distributed.all_gather(padded, source, group=group)
+    for out, got in zip(output_list, padded):
+        out.copy_(got[: out.numel()])
+
+
+_CPU: dict[str, Any] = {"area": "cpu", "scope": "cpu", "when": "CPU mode"}
+
+PATCHES: tuple[Patch, ...] = (
+    *rewrite(
+        "distrib-optimizer-cpu-types", "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._build_model_and_main_param_groups", _DISTRIB_OPTIMIZER_TYPES,
+        upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups",
+        **_CPU, why="the distributed optimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError for CPU fp32 "
+        "ones); recompiled with the CPU type names",
+    ),
+    *rewrite(
+        "layer-wise-all-gather-v", "megatron.core.optimizer.layer_wise_optimizer",
+        "LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER,
+        upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.allgather_params",
+        **_CPU, why="dist_muon all-gathers parameter shards of different sizes per rank; gloo needs equal sizes "
+        "(RuntimeError); padded to the largest",
+        helpers={"_bridge_ext_all_gather_v": (
+            _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
+    ),
+    *rewrite(
+        "layer-wise-fp32-save", "megatron.core.optimizer.layer_wise_optimizer",
+        "LayerWiseDistributedOptimizer.sharded_state_dict", _LAYER_WISE_SAVE,
+        upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.sharded_state_dict",
+        **_CPU, why="dist_muon's torch_dist save reads sd['optimizer'], which an fp32 member lacks (KeyError "
+        "'optimizer'; CPU mode is fp32); and marks replicated expert state as main replica on every rank when "
+        "one data-parallel rank spreads nothing (TP2 ETP1: invalid access pattern)",
+        also_expects=("if not sd['optimizer']['state']:",),
+    ),
+    *rewrite(
+        "torch-norm-sequence-parallel", "megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+        _TORCH_NORM_SEQUENCE_PARALLEL,
+        upstream="megatron/core/transformer/torch_norm.py WrappedTorchNorm.__new__",
+        **_CPU, why="the local spec's torch norms assert no sequence parallelism (TP layouts turn it on); with their "
+        "weights flagged `sequence_parallel`, finalize_model_grads sums their gradients over TP as for TE's",
+        helpers={"_bridge_ext_sequence_parallel_norm": (
+            _sequence_parallel_norm,
+            "flags the norm's parameters for sequence parallelism; called by the recompiled WrappedTorchNorm")},
+    ),
+)

@@ -1,0 +1,120 @@
+"""Training-loop patches: Megatron Bridge's start-up, scheduler and config validation.
+
+* ``prebuilt-dataset-helpers`` (scope ``stack``): megatron-bridge 0.3 ``training/initialize.py`` calls
+  megatron-core's ``datasets/utils.py`` ``compile_helpers()``, which runs ``make`` in a directory where the
+  PyPI wheel ships the prebuilt ``helpers_cpp`` extension but no Makefile -> ``sys.exit(1)``. Applies where the
+  Makefile is absent (every PyPI install); skipped where it exists (a source checkout, the container's build).
+* ``scheduler-warmup-cap`` (``stack``): megatron-bridge 0.3.1 ``training/config.py`` caps ``lr_warmup_steps``
+  below ``lr_decay_steps`` with a warning (short runs of recipes tuned for long ones); 0.3.0 does not, and
+  megatron-core's scheduler asserts at launch. Applies on 0.3.0 (the container's); skipped on 0.3.1.
+* ``validate-without-gpu`` (``dryrun``, only for the duration of a dry run's ``validate()``): the flex
+  dispatcher check reads ``torch.cuda.get_device_properties(0)``; skipped when no GPU is visible.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+from bridge_ext.patches.core import Patch
+from bridge_ext.stack import UpstreamDrift, module_source, package_of
+
+__all__ = ["PATCHES"]
+
+# --- megatron-bridge 0.3 training/initialize.py -> megatron-core datasets/utils.py compile_helpers() -------
+_INITIALIZE = "megatron.bridge.training.initialize"
+
+
+def _compile_helpers_needed() -> bool:
+    if "compile_helpers" not in {node.func.id for node in ast.walk(ast.parse(module_source(_INITIALIZE)))
+                                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}:
+        return False  # upstream no longer builds the helpers at start-up
+    datasets = importlib.import_module("megatron.core.datasets")
+    if (Path(datasets.__file__).parent / "Makefile").exists():
+        return False  # a source tree: `make` works (given a compiler)
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        raise UpstreamDrift(f"{package_of('megatron.core')}: megatron.core.datasets ships neither a Makefile "
+                            "nor the prebuilt helpers_cpp; reinstall megatron-core from its wheel")
+    return True
+
+
+def _use_prebuilt_helpers() -> None:
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+
+
+# --- megatron-bridge 0.3.0 training/config.py ConfigContainer._calculate_scheduler_steps -------------------
+# 0.3.1 caps lr_warmup_steps at lr_decay_steps - 1 with a warning (a short run of a recipe tuned for a long
+# one); 0.3.0 leaves it, and megatron-core's OptimizerParamScheduler then fails with a bare AssertionError
+# (`assert self.lr_warmup_steps < self.lr_decay_steps`) at launch. Same behaviour on both: cap and warn.
+_MB_CONFIG = "megatron.bridge.training.config"
+
+
+def _warmup_cap_needed() -> bool:
+    from megatron.bridge.training.config import ConfigContainer
+
+    if not hasattr(ConfigContainer, "_calculate_scheduler_steps"):
+        raise UpstreamDrift(f"{package_of(_MB_CONFIG)}: ConfigContainer has no _calculate_scheduler_steps; "
+                            "bridge_ext.patches' warm-up cap needs updating")
+    return "lr_warmup_steps >= self.scheduler.lr_decay_steps" not in inspect.getsource(
+        ConfigContainer._calculate_scheduler_steps)
+
+
+def _warmup_cap(original: Callable) -> Callable:
+    from megatron.bridge.utils.common_utils import warn_rank_0
+
+    def _calculate_scheduler_steps(self) -> None:
+        original(self)
+        scheduler = self.scheduler
+        if scheduler.lr_decay_steps > 0 and scheduler.lr_warmup_steps >= scheduler.lr_decay_steps:
+            capped = scheduler.lr_decay_steps - 1
+            warn_rank_0(f"lr_warmup_steps ({scheduler.lr_warmup_steps}) >= lr_decay_steps ({scheduler.lr_decay_steps}); "
+                        f"capping lr_warmup_steps to {capped}. Reduce lr_warmup_iters (or lr_warmup_samples) for "
+                        "short training runs.")
+            scheduler.lr_warmup_steps = capped
+
+    return _calculate_scheduler_steps
+
+
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="prebuilt-dataset-helpers", area="training", scope="stack",
+        module=_INITIALIZE, attr="compile_helpers",
+        upstream="megatron/bridge/training/initialize.py compile_helpers() -> megatron/core/datasets/utils.py",
+        why="the PyPI wheel has no Makefile for compile_helpers(); its prebuilt helpers_cpp works",
+        when="initialize.py calls compile_helpers() and megatron.core.datasets has no Makefile",
+        needed=_compile_helpers_needed,
+        make=lambda old: _use_prebuilt_helpers,
+    ),
+    Patch(
+        name="scheduler-warmup-cap", area="training", scope="stack",
+        module=_MB_CONFIG, attr="ConfigContainer._calculate_scheduler_steps",
+        upstream="megatron/bridge/training/config.py ConfigContainer._calculate_scheduler_steps",
+        why="0.3.0 leaves lr_warmup_steps >= lr_decay_steps for megatron-core's scheduler to assert on; "
+            "0.3.1 caps it with a warning",
+        when="_calculate_scheduler_steps does not cap lr_warmup_steps itself",
+        needed=_warmup_cap_needed,
+        make=_warmup_cap,
+    ),
+    Patch(
+        name="validate-without-gpu", area="training", scope="dryrun",
+        module=_MB_CONFIG, attr="validate_flex_dispatcher_backend",
+        upstream="megatron/bridge/training/config.py ConfigContainer.validate -> validate_flex_dispatcher_backend",
+        why="reads torch.cuda.get_device_properties(0); a dry run of a GPU recipe validates on a machine "
+            "without one (everything else validate() checks still runs)",
+        when="no GPU visible, during a dry run's validate() only",
+        needed=_no_gpu,
+        snippets=("validate_flex_dispatcher_backend(self.model)",),
+        elsewhere=(("megatron.bridge.training.flex_dispatcher_backend", ("torch.cuda.get_device_properties(0)",)),),
+        make=lambda old: (lambda model_config: None),
+    ),
+)

@@ -1,0 +1,274 @@
+"""Every change to upstream behaviour (bridge_ext.patches): each patch fits the installed code or its condition
+says it does not apply; each capability-decided patch applies exactly on the stacks that need it; drift is one
+line and changes nothing; the fixes really change the calls they are for."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from bridge_ext import patches
+from bridge_ext.patches import registry
+from bridge_ext.patches.core import Patch, always
+from bridge_ext.patches.optimizer import renamed_kwarg
+from bridge_ext.stack import UpstreamDrift, call_keywords, describe_stack, package_of, version_of
+
+pytestmark = pytest.mark.stack  # what differs between stacks: .ci/run runs these on every stack
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The capability-decided patches (those with a needed() check) that apply on each lock, found by hand
+# (megatron-core 0.16's Muon calls vs the installed emerging-optimizers' signatures; the PyPI megatron-core wheel
+# ships no datasets Makefile). The others apply wherever their scope is used (CPU mode's in CPU mode).
+APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
+    ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers"},
+    # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
+    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap"},
+}
+# ... and on every stack, on these machines (no GPU, no Transformer Engine)
+APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
+
+
+def test_every_patch_fits_the_installed_code_or_does_not_apply(capsys):
+    rows = patches.table()
+    with capsys.disabled():
+        print(f"\n{describe_stack()}: {len(rows)} patches, {sum(r['applies here'] == 'yes' for r in rows)} apply")
+        for row in rows:
+            print(f"  {row['name']:48} {row['area']:13} {row['scope']:13} {row['applies here']:4} {row['target']}")
+    assert patches.drift() == []
+    assert len({p.name for p in patches.REGISTRY}) == len(patches.REGISTRY), "patch names are unique"
+    for patch in patches.REGISTRY:
+        assert patch.upstream and patch.why and patch.when and "\n" not in patch.upstream, patch.name
+
+
+def test_each_stack_fix_applies_exactly_where_the_installed_code_needs_it():
+    stack = (version_of("megatron-bridge"), version_of("emerging-optimizers"))
+    decided = {p.name for p in patches.REGISTRY if p.needed is not always}
+    assert set(patches.applied_here()) & decided == APPLIES_BY_STACK[stack] | APPLIES_ON_THIS_MACHINE, describe_stack()
+
+
+def test_the_docs_list_every_patch():
+    text = (REPO / "docs" / "patches.md").read_text()
+    assert all(f"| {p.name} |" in text for p in patches.REGISTRY), "run python -m bridge_ext.patches --markdown"
+    if f"\"Here\": {describe_stack()}." in text:  # the stack that generated it: identical
+        assert text == patches.markdown() + "\n", "run python -m bridge_ext.patches --markdown > docs/patches.md"
+
+
+# --- drift: one line, nothing changed ----------------------------------------------------------------------
+
+
+def _fake(name: str, **changes) -> Patch:
+    fields = dict(name=name, area="cpu", scope="cpu", module="megatron.core.timers", attr="torch", upstream="u",
+                  why="w", make=lambda old: pytest.fail("patched despite drift"))
+    return Patch(**{**fields, **changes})
+
+
+def test_drift_refuses_in_one_line_and_applies_nothing(monkeypatch):
+    import megatron.core.timers as timers
+
+    before = timers.torch
+    drifted = (_fake("drifted-snippet", snippets=("torch.cuda.no_such_call()",)),
+               _fake("vanished-target", attr="no_such_attribute"),
+               _fake("fits", snippets=("torch.cuda.synchronize()",)))
+    monkeypatch.setattr(registry, "REGISTRY", drifted)
+    with pytest.raises(UpstreamDrift) as raised:
+        patches.apply("cpu")
+    version = metadata.version("megatron-core")
+    assert str(raised.value) == (f"CPU mode does not fit the installed code: megatron-core {version}: "
+                                 "megatron.core.timers no longer contains 'torch.cuda.no_such_call()' "
+                                 "(drifted-snippet) (and 1 more; tests/test_patches.py lists them)")
+    assert timers.torch is before and not {"drifted-snippet", "vanished-target", "fits"} & set(patches.applied())
+    assert patches.drift() == [
+        f"megatron-core {version}: megatron.core.timers no longer contains 'torch.cuda.no_such_call()' "
+        "(drifted-snippet)",
+        f"megatron-core {version}: megatron.core.timers.no_such_attribute is gone (vanished-target)",
+    ]
+
+
+def test_a_capability_check_that_meets_unknown_code_is_drift(monkeypatch):
+    def unknown() -> bool:
+        raise UpstreamDrift("emerging-optimizers 9.9: newton_schulz_tp takes neither mode= nor tp_mode=")
+
+    monkeypatch.setattr(registry, "REGISTRY", (_fake("unknown-shape", scope="stack", needed=unknown),))
+    with pytest.raises(UpstreamDrift, match="^emerging-optimizers 9.9: newton_schulz_tp"):
+        patches.apply("stack")
+    assert patches.drift() == ["emerging-optimizers 9.9: newton_schulz_tp takes neither mode= nor tp_mode= "
+                               "(unknown-shape)"]
+    assert patches.table()[0]["applies here"].startswith("drift: emerging-optimizers 9.9")
+
+
+def test_drift_reaches_the_user_as_one_line_and_exit_2(tmp_path):
+    """A stack fix that meets unknown code stops `nemo llm pretrain` with one line, no traceback."""
+    script = (
+        "import sys\n"
+        "from bridge_ext import commands\n"
+        "from bridge_ext.patches import Patch, registry\n"
+        "from bridge_ext.stack import UpstreamDrift\n"
+        "def drifted():\n"
+        "    raise UpstreamDrift('emerging-optimizers 9.9: newton_schulz_tp takes neither mode= nor tp_mode=')\n"
+        "registry.REGISTRY = (*registry.REGISTRY, Patch(name='x', area='optimizer', scope='stack', module='sys',\n"
+        "                     attr='path', upstream='u', why='w', needed=drifted, make=lambda old: old))\n"
+        "sys.exit(commands.main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", script, "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
+                             "--device", "cpu", f"checkpoint.save={out}", "train.train_iters=1"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: emerging-optimizers 9.9")
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_temporarily_restores_upstream():
+    from megatron.bridge.training import config as mb_config
+
+    original = mb_config.validate_flex_dispatcher_backend
+    with patches.temporarily("dryrun") as names:
+        assert names == ("validate-without-gpu",)  # these machines have no GPU
+        assert mb_config.validate_flex_dispatcher_backend(object()) is None
+    assert mb_config.validate_flex_dispatcher_backend is original
+
+
+# --- stack fixes: what they change ----------------------------------------------------------------------------
+
+
+def test_a_short_run_caps_the_warm_up_on_every_stack():
+    """lr_warmup_iters 40 with 10 iterations: warm-up capped to decay - 1 (megatron-bridge 0.3.1's rule),
+    so megatron-core's scheduler accepts it, instead of asserting at launch."""
+    import recipes
+    from bridge_ext.build import build_config
+
+    patches.apply("stack")
+    cfg = build_config(recipes.get_recipe("qwen3_proxy_muon"))
+    cfg.train.train_iters, cfg.scheduler.lr_warmup_iters, cfg.scheduler.lr_warmup_fraction = 10, 40, None
+    cfg.scheduler.lr_decay_iters = None
+    cfg._calculate_scheduler_steps()
+    gbs = cfg.train.global_batch_size
+    assert cfg.scheduler.lr_decay_steps == 10 * gbs and cfg.scheduler.lr_warmup_steps == 10 * gbs - 1
+
+
+def test_megatron_core_call_sites_are_read_from_its_source():
+    assert "mode" in call_keywords("megatron.core.optimizer.muon", "newton_schulz_tp")
+    assert "use_nesterov" in call_keywords("megatron.core.optimizer.muon", "__init__", inside="TensorParallelMuon")
+
+
+def test_muon_steps_with_megatron_cores_own_arguments(cpu_mode):
+    """After the fixes (applied or skipped), megatron-core's Muon runs one step on either stack."""
+    import torch
+    from megatron.core.optimizer.muon import TensorParallelMuon
+
+    weight = torch.nn.Parameter(torch.eye(4) * 2.0)
+    opt = TensorParallelMuon([weight], lr=0.5, momentum_beta=0.0, use_nesterov=False, weight_decay=0.0,
+                             num_ns_steps=5, scale_mode="shape_scaling", mode="duplicated")
+    weight.grad = torch.eye(4)
+    opt.step()
+    # a gradient that is already orthogonal: Newton-Schulz keeps (approximately) its direction, so the
+    # diagonal moves by ~lr and the off-diagonal stays 0 (quintic coefficients land within 0.7-1.2)
+    diagonal = torch.diagonal(weight.detach())
+    assert torch.all((diagonal > 2.0 - 0.5 * 1.2) & (diagonal < 2.0 - 0.5 * 0.7))
+    assert torch.count_nonzero(weight.detach() - torch.diag(diagonal)) == 0
+
+
+def test_muon_stack_fix_passes_nesterov_and_tp_mode_through(cpu_mode):
+    import math
+
+    import torch
+    from megatron.core.optimizer.muon import TensorParallelMuon
+
+    weight = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+    opt = TensorParallelMuon([weight], lr=0.1, momentum_beta=0.9, use_nesterov=True, weight_decay=0.0,
+                             num_ns_steps=5, scale_mode="spectral", mode="blockwise")
+    assert getattr(opt, "nesterov", getattr(opt, "use_nesterov", None)) is True  # 0.3.0 / 0.1.0 name
+    weight.grad = torch.ones_like(weight)
+    before = weight.detach().clone()
+    opt.step()
+    assert torch.equal(opt.state[weight]["momentum_buffer"], 0.1 * torch.ones_like(weight))
+    update = (before - weight.detach()) / 0.1
+    # an orthogonalized rank-1 update: one singular value, scaled by sqrt(max(rows, cols)) ("spectral"). Its
+    # normalized singular value 1 goes through modded-nanogpt's five "quintic" polynomials a s + b s^3 + c s^5
+    sigma = 1.0
+    for a, b, c in ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                    (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)):
+        sigma = a * sigma + b * sigma**3 + c * sigma**5
+    singular = torch.linalg.svdvals(update)
+    assert singular[0] == pytest.approx(math.sqrt(16) * sigma, rel=2e-3) and singular[1] < 1e-3 * singular[0]
+
+
+def test_dataset_helpers_are_the_prebuilt_ones(cpu_mode):
+    import importlib
+
+    initialize = importlib.import_module("megatron.bridge.training.initialize")
+    initialize.compile_helpers()  # would run `make` and sys.exit(1) upstream
+    assert importlib.import_module("megatron.core.datasets.helpers_cpp").build_sample_idx_int32
+
+
+def _callee_without(*names):
+    def callee(self, params):  # takes neither of the renamed keywords
+        return None
+
+    return callee
+
+
+def test_a_renamed_keyword_with_no_known_name_is_one_line_of_drift():
+    with pytest.raises(UpstreamDrift) as raised:
+        renamed_kwarg(frozenset({"use_nesterov"}), _callee_without(), old="use_nesterov", new="nesterov",
+                      what="OrthogonalizedOptimizer.__init__")
+    message = str(raised.value)
+    assert "\n" not in message and "megatron-core " + metadata.version("megatron-core") in message
+    assert "neither use_nesterov= nor nesterov=" in message
+
+
+def test_renamed_keyword_decisions():
+    def old_style(*, use_nesterov):
+        return None
+
+    def new_style(*, nesterov):
+        return None
+
+    passes = frozenset({"use_nesterov"})
+    assert renamed_kwarg(passes, old_style, old="use_nesterov", new="nesterov", what="f") is False
+    assert renamed_kwarg(passes, new_style, old="use_nesterov", new="nesterov", what="f") is True
+    assert renamed_kwarg(frozenset(), new_style, old="use_nesterov", new="nesterov", what="f") is False
+
+
+def test_package_of_names_the_installed_version():
+    assert package_of("megatron.bridge.training.config") == f"megatron-bridge {metadata.version('megatron-bridge')}"
+    assert package_of("emerging_optimizers.x") == f"emerging-optimizers {metadata.version('emerging-optimizers')}"
+
+
+# --- the import graph -------------------------------------------------------------------------------------------
+
+
+def _module_imports(path: Path) -> set[str]:
+    """bridge_ext modules a file imports (at any depth: function-level imports count too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bridge_ext."):
+            names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "bridge_ext":
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_no_import_cycles_between_our_modules():
+    package = REPO / "bridge_ext"
+    graph = {path.stem: _module_imports(path) - {path.stem} for path in package.glob("*.py") if path.stem != "__init__"}
+    for init in package.glob("*/__init__.py"):  # a subpackage is one node: what any of its files imports
+        files = init.parent.rglob("*.py")
+        graph[init.parent.name] = set().union(*map(_module_imports, files)) - {init.parent.name}
+    assert graph["stack"] <= {"errors"}  # the ground floor
+    assert graph["patches"] <= {"stack", "errors", "sdpa_attention", "attention_logits", "checkpoints", "kill_safe",
+                                "relayout"}, graph["patches"]  # patches sit below every module that applies them
+
+    def visit(node, trail):
+        assert node not in trail, " -> ".join([*trail, node])
+        for nxt in graph.get(node, ()):
+            visit(nxt, (*trail, node))
+
+    for module in graph:
+        visit(module, ())
