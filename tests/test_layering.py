@@ -169,7 +169,6 @@ def importlib_loads(root: Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="H2: commands package")
 def test_no_importlib_loading_of_our_own_modules():
     found = importlib_loads(REPO)
     assert not found, "\n".join(found)
