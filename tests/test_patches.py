@@ -32,6 +32,9 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
+# ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
+# tests/test_upstream_muon_bugs.py)
+APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa"}
 
 
 def test_every_patch_fits_the_installed_code_or_does_not_apply(capsys):
@@ -49,7 +52,8 @@ def test_every_patch_fits_the_installed_code_or_does_not_apply(capsys):
 def test_each_stack_fix_applies_exactly_where_the_installed_code_needs_it():
     stack = (version_of("megatron-bridge"), version_of("emerging-optimizers"))
     decided = {p.name for p in patches.REGISTRY if p.needed is not always}
-    assert set(patches.applied_here()) & decided == APPLIES_BY_STACK[stack] | APPLIES_ON_THIS_MACHINE, describe_stack()
+    expected = APPLIES_BY_STACK[stack] | APPLIES_ON_THIS_MACHINE | APPLIES_ON_EVERY_RELEASE_READ
+    assert set(patches.applied_here()) & decided == expected, describe_stack()
 
 
 def test_the_docs_list_every_patch():

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
-from bridge_ext.patches import cpu, import_time, optimizer, training
+from bridge_ext.patches import cpu, import_time, optimizer, qk_clip, training
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -23,6 +23,7 @@ __all__ = ["REGISTRY", "applied", "applied_here", "apply", "drift", "markdown", 
 REGISTRY: tuple[Patch, ...] = (
     *import_time.PATCHES,
     *optimizer.PATCHES,
+    *qk_clip.PATCHES,
     *training.PATCHES,
     *cpu.PATCHES,
 )
