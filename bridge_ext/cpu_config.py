@@ -1,5 +1,5 @@
 """Official settings that run a Megatron Bridge config on CPU processes (one, or several under torchrun),
-process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: those are in ``bridge_ext.cpu_mode``.
+process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: those are in ``bridge_ext.patches``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from bridge_ext.errors import UserError
-from bridge_ext.stack import expect_snippets, have_transformer_engine
+from bridge_ext.stack import have_transformer_engine
 
 __all__ = ["configure_for_cpu", "cpu_layer_spec", "init_cpu_distributed", "init_single_process_distributed",
            "launched_world_size", "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
@@ -222,7 +222,7 @@ def configure_for_cpu(cfg: Any, *, world_size: int | None = None) -> str | None:
     if world_size == 1:
         cfg.ddp.use_distributed_optimizer = opt.use_distributed_optimizer = False
     # dist_muon (layer-wise Muon) stays: its fp32 checkpoint save is fixed in CPU mode
-    # (cpu_mode: layer-wise-fp32-save), and over one data-parallel rank it computes plain Muon's update.
+    # (patches.cpu: layer-wise-fp32-save), and over one data-parallel rank it computes plain Muon's update.
     opt.overlap_param_gather_with_optimizer_step = False
     opt.bf16 = False
     opt.fp16 = False
@@ -256,25 +256,15 @@ def validation_without_gpu(cfg: Any):
 
     - ``megatron/bridge/training/config.py``: ``ConfigContainer.validate()`` ends with
       ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py``), which reads
-      ``torch.cuda.get_device_properties(0)``: skipped when no GPU is visible.
+      ``torch.cuda.get_device_properties(0)``: skipped when no GPU is visible (patch ``validate-without-gpu``).
     - TE-kernel flags (``_TE_KERNEL_FLAGS``) are turned off on ``cfg`` (a copy being validated) when TE is
       absent: their check says whether TE is installed here, nothing about the target.
     Everything else ``validate()`` checks still runs.
     """
-    import torch
-    from megatron.bridge.training import config as mb_config
+    from bridge_ext import patches
 
-    expect_snippets("megatron.bridge.training.config", ("validate_flex_dispatcher_backend(",),
-                    fix="validation_without_gpu")
     if not have_transformer_engine():
         for flag in _TE_KERNEL_FLAGS:
             setattr(cfg.model, flag, False)
-    if torch.cuda.is_available():
+    with patches.temporarily("dryrun"):  # validate-without-gpu
         yield
-        return
-    original = mb_config.validate_flex_dispatcher_backend
-    mb_config.validate_flex_dispatcher_backend = lambda model_config: None
-    try:
-        yield
-    finally:
-        mb_config.validate_flex_dispatcher_backend = original

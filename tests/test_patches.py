@@ -5,6 +5,7 @@ line and changes nothing; the fixes really change the calls they are for."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from importlib import metadata
@@ -92,6 +93,50 @@ def test_drift_refuses_in_one_line_and_applies_nothing(monkeypatch):
         "(drifted-snippet)",
         f"megatron-core {version}: megatron.core.timers.no_such_attribute is gone (vanished-target)",
     ]
+
+
+def _replace(monkeypatch, name: str, **changes) -> Patch:
+    """The registry with patch ``name`` changed as drift would change it; returns the original."""
+    original = next(p for p in patches.REGISTRY if p.name == name)
+    monkeypatch.setattr(registry, "REGISTRY", tuple(dataclasses.replace(p, **changes) if p is original else p
+                                                    for p in patches.REGISTRY))
+    return original
+
+
+def test_drift_in_a_cuda_redirect_is_reported(monkeypatch):
+    _replace(monkeypatch, "cuda-on-cpu megatron.core.timers", snippets=("torch.cuda.no_such_call()",))
+    assert patches.drift() == [f"megatron-core {metadata.version('megatron-core')}: megatron.core.timers no longer "
+                               "contains 'torch.cuda.no_such_call()' (cuda-on-cpu megatron.core.timers)"]
+
+
+def test_drift_in_an_attribute_patch_is_reported(monkeypatch):
+    patch = next(p for p in patches.REGISTRY if p.scope == "cpu" and p.attr != "torch" and p.snippets)
+    _replace(monkeypatch, patch.name, snippets=(patch.snippets[0] + "  # changed",))
+    problems = patches.drift()
+    assert len(problems) == 1 and patch.name in problems[0] and patch.module in problems[0]
+
+
+def test_a_vanished_attribute_is_reported(monkeypatch):
+    import importlib
+
+    patch = next(p for p in patches.REGISTRY if p.scope == "cpu" and p.must_exist and p.attr != "torch"
+                 and "." not in p.attr)
+    monkeypatch.delattr(importlib.import_module(patch.module), patch.attr)
+    assert any(f"{patch.target} is gone ({patch.name})" in p for p in patches.drift())
+
+
+def test_every_cpu_target_is_code_that_needs_the_patch():
+    """A redirect is only justified by CUDA code in that module; a .cuda() caller by a .cuda( call."""
+    from bridge_ext.patches import cpu
+
+    for patch in (p for p in patches.REGISTRY if p.scope == "cpu"):
+        if patch.attr == "torch":
+            assert patch.snippets and all("cuda" in code or "nccl" in code for code in patch.snippets), patch.name
+        elif patch.target == "torch.Tensor.cuda":
+            assert patch.elsewhere == tuple(cpu.TENSOR_CUDA_CALLERS.items())
+            assert all(".cuda(" in code for _, snippets in patch.elsewhere for code in snippets)
+        else:
+            assert patch.snippets, patch.name
 
 
 def test_a_capability_check_that_meets_unknown_code_is_drift(monkeypatch):
