@@ -1,19 +1,31 @@
 # `make demo` and `make test` work on a fresh clone: they create a venv with Python 3.12 and install the
-# pinned Megatron stack (first run: a few minutes, ~6 GB; later runs reuse the venv).
+# pinned Megatron stack (first run: a few minutes, ~6-8 GB; later runs reuse the venv).
 #
-# STACK picks the exact lock, requirements/lock-$(STACK).txt, each in its own venv:
-#   26.02            megatron-bridge 0.3.1 + megatron-core 0.16.1 + emerging-optimizers 0.3.0 (.venv)
-#   26.02-container  what the NeMo 26.02 container ships: megatron-bridge 0.3.0, megatron-core 0.16.0,
-#                    emerging-optimizers 0.1.0, NeMo-Run 0.8.0, PyTorch 2.10 (.venv-26.02-container)
+# STACK picks the exact lock, requirements/lock-$(STACK).txt, each in its own venv (docs/stacks.md):
+#   26.02     (default, .venv) the NeMo 26.02 container: megatron-bridge 0.3.0, megatron-core 0.16.0,
+#             emerging-optimizers 0.1.0, NeMo-Run 0.8.0, PyTorch 2.10
+#   26.04.01  (.venv-26.04.01) NeMo 26.04.01: 0.4.2 / 0.17.1 / 0.1.0, NeMo-Run 0.9.0, PyTorch 2.11
+#   26.06.01  (.venv-26.06.01) NeMo 26.06.01: 0.5.1 / 0.18.2 / 0.2.0, NeMo-Run 0.10.0, PyTorch 2.12
+#   26.08     (.venv-26.08)    NeMo 26.08: 0.6.0 / 0.19.0 / 0.2.0, NeMo-Run 0.10.0, PyTorch 2.13
+#   newest    (.venv-newest)   the newest releases on the package index: 0.6.2 / 0.19.2 / 0.3.0, PyTorch 2.14.1
 SHELL := /bin/bash
 STACK ?= 26.02
-STACKS := 26.02 26.02-container
+STACKS := 26.02 26.04.01 26.06.01 26.08 newest
+ifneq ($(words $(STACK)) $(filter $(STACK),$(STACKS)),1 $(STACK))
+$(error unknown STACK=$(STACK); choose one of: $(STACKS))
+endif
 VENV ?= $(if $(filter 26.02,$(STACK)),.venv,.venv-$(STACK))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(STACK)
 LOCK := requirements/lock-$(STACK).txt
-# Wheels that are not on the package index (emerging-optimizers 0.1.0); see requirements/wheels/README.md.
+# Wheels that are not on the package index (emerging-optimizers 0.1.0, 0.2.0); see requirements/wheels/README.md.
 WHEELS := requirements/wheels
+# Pass 3, where a stack has one: upstream wheels tagged for a newer glibc than these machines' (2.36), pinned by
+# hash, downloaded for that platform and installed unmodified with `python -m installer` (pip refuses a wheel
+# whose platform tag the machine lacks; installer applies the wheel spec without that check). docs/stacks.md.
+PLATFORM_REQS := requirements/stack-$(STACK)-platform.txt
+PLATFORM := manylinux_2_39_x86_64
+PLATFORM_PKGS := $(if $(wildcard $(PLATFORM_REQS)),$(shell sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' $(PLATFORM_REQS)))
 
 # A working Python 3.12: $PYTHON, python3.12 on PATH, or a pyenv / system install.
 PY312_CHECK := -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'
@@ -21,15 +33,13 @@ ifndef PYTHON
 PYTHON := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) /usr/bin/python3.12 /usr/local/bin/python3.12,$(shell $(p) $(PY312_CHECK) >/dev/null 2>&1 && echo $(p))))
 endif
 
-.PHONY: install demo test test-fast generate yaml lock clean check-stack check-wheels
+.PHONY: install demo test test-fast generate yaml lock clean check-wheels
 
-check-stack:
-	@[ -f $(LOCK) ] || { echo "error: unknown STACK=$(STACK); choose one of: $(STACKS)"; exit 2; }
-
-# Every wheel the lock takes from $(WHEELS) must be there with the recorded checksum.
-check-wheels: check-stack
+# Every wheel the stack takes from $(WHEELS) must be there with the recorded checksum.
+check-wheels:
 	@grep -v '^#' requirements/wheels/SHA256SUMS | while read -r sum file; do \
-	  if ! grep -qi "^$$(echo $$file | cut -d- -f1 | tr _ -)==$$(echo $$file | cut -d- -f2)\b" $(LOCK); then continue; fi; \
+	  if ! grep -qi "^$$(echo $$file | cut -d- -f1 | tr _ -)==$$(echo $$file | cut -d- -f2)\b" \
+	       $(wildcard $(LOCK)) requirements/stack-$(STACK)-nodeps.txt; then continue; fi; \
 	  if [ ! -f "$(WHEELS)/$$file" ]; then \
 	    echo "error: $(WHEELS)/$$file is missing. Build it from the v$$(echo $$file | cut -d- -f2) tag of" \
 	         "NVIDIA-NeMo/Emerging-Optimizers (pip wheel --no-deps .) and put it there"; exit 2; fi; \
@@ -37,16 +47,36 @@ check-wheels: check-stack
 	    echo "error: $(WHEELS)/$$file does not match its SHA256SUMS entry; replace it with the upstream build"; exit 2; }; \
 	done
 
-install: $(STAMP)
-
-$(STAMP): $(LOCK) pyproject.toml | check-wheels
+define MAKE_VENV
 	@if [ ! -x $(PY) ]; then \
 	  if [ -z "$(PYTHON)" ]; then \
 	    echo "error: no Python 3.12 found. Install one (pyenv install 3.12, or apt install python3.12)" \
 	         "or pass PYTHON=/path/to/python3.12"; exit 2; fi; \
 	  echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV) || exit 2; fi
 	@$(PY) $(PY312_CHECK) || { echo "error: $(VENV) is not Python 3.12; remove it (make clean) and retry"; exit 2; }
+endef
+
+# Pass 3 (see PLATFORM_REQS); a no-op for stacks without a platform file.
+define PLATFORM_PASS
+	@if [ -f $(PLATFORM_REQS) ]; then set -e; \
+	  rm -rf $(VENV)/platform-wheels; \
+	  echo "pass 3: $(PLATFORM_PKGS) (wheels for $(PLATFORM), installed unmodified)"; \
+	  $(PY) -m pip download --no-deps --only-binary=:all: --platform $(PLATFORM) --implementation cp \
+	    --python-version 3.12 --abi cp312 --require-hashes -d $(VENV)/platform-wheels -r $(PLATFORM_REQS); \
+	  $(PY) -m pip uninstall -y -q $(PLATFORM_PKGS) 2>/dev/null || true; \
+	  for w in $(VENV)/platform-wheels/*.whl; do $(PY) -m installer "$$w"; done; \
+	  rm -rf $(VENV)/platform-wheels; fi
+endef
+
+install: $(STAMP)
+
+$(LOCK):
+	@echo "error: $(LOCK) is missing; write it with make lock STACK=$(STACK) (network)"; exit 2
+
+$(STAMP): $(LOCK) $(wildcard $(PLATFORM_REQS)) pyproject.toml | check-wheels
+	$(MAKE_VENV)
 	$(PY) -m pip install --no-deps --find-links $(WHEELS) -r $(LOCK)
+	$(PLATFORM_PASS)
 	$(PY) -m pip install --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -72,11 +102,20 @@ generate: install  # regenerate yaml/<recipe>.yaml and docs/recipes.md from the 
 
 yaml: generate
 
-lock: install  # re-resolve the curated lists and rewrite the lock (needs network)
+# Re-resolves the curated lists in a fresh $(VENV) (so nothing stale enters the lock) and rewrites the lock,
+# keeping its header comment; the platform pass's packages stay out of it (their file pins them). Needs network.
+lock: check-wheels
+	rm -rf $(VENV)
+	$(MAKE_VENV)
 	$(PY) -m pip install -r requirements/stack-$(STACK).txt
 	$(PY) -m pip install --no-deps --find-links $(WHEELS) -r requirements/stack-$(STACK)-nodeps.txt
-	{ grep '^#' $(LOCK); $(PY) -m pip freeze --all --exclude-editable --exclude pip; } > $(LOCK).new
+	$(PLATFORM_PASS)
+	{ if [ -f $(LOCK) ]; then grep '^#' $(LOCK); else echo "# Exact versions of everything in $(VENV) (generated by \`make lock STACK=$(STACK)\`)."; fi; \
+	  $(PY) -m pip freeze --all --exclude-editable --exclude pip $(foreach p,$(PLATFORM_PKGS),--exclude $(p)); } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
 
 clean:
 	rm -rf $(VENV)
