@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_TYPE_ALIASES", "apply_config_stated_fields", "read_config_json", "load_hf_config"]
+__all__ = ["MODEL_TYPE_ALIASES", "apply_config_stated_fields", "read_config_json", "load_hf_config",
+           "upstream_bridge_config", "upstream_bridge_for_model_type"]
 
 # model_type in a config.json -> the transformers model_type that implements it.
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -39,6 +40,48 @@ def load_hf_config(path: str | Path):
     return AutoConfig.for_model(target_type, **fields)
 
 
+def upstream_bridge_for_model_type(model_type: str | None) -> Any | None:
+    """Megatron Bridge's own bridge class for a ``config.json`` model_type that transformers knows only under an
+    alias (:data:`MODEL_TYPE_ALIASES`), where the installed Megatron Bridge registers one; else None.
+
+    megatron-bridge 0.4 added ``KimiK2Bridge`` (``models/kimi/kimi_bridge.py``: ``register_bridge(source=
+    "KimiK2ForCausalLM", model_type="kimi_k2")``, which stores ``SOURCE_NAME`` / ``MODEL_TYPE`` on the class);
+    0.3 has no ``MODEL_TYPE`` and no Kimi K2 bridge.
+    """
+    if model_type not in MODEL_TYPE_ALIASES:
+        return None
+    import megatron.bridge.models  # noqa: F401  (registers every bridge)
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    found, todo = [], list(MegatronModelBridge.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__dict__.get("MODEL_TYPE") == model_type and isinstance(cls.__dict__.get("SOURCE_NAME"), str):
+            found.append(cls)
+    return found[0] if len(set(found)) == 1 else None
+
+
+def upstream_bridge_config(config: Any, *, model_type: str | None) -> Any:
+    """The transformers config to hand Megatron Bridge's ``AutoBridge`` for a ``config.json`` of ``model_type``.
+
+    ``AutoBridge`` picks its bridge from ``auto_map["AutoModelForCausalLM"]``'s class name when there is one,
+    else from ``architectures`` (``auto_bridge.py`` ``_causal_lm_architecture``); Kimi K2 says
+    ``DeepseekV3ForCausalLM``, so it would get the DeepSeek-V3 bridge. Where Megatron Bridge has its own bridge
+    for the model_type (:func:`upstream_bridge_for_model_type`), a copy of ``config`` names that bridge's source
+    in ``auto_map`` (as a remote-code config names its class), so ``AutoBridge`` dispatches to it. Otherwise
+    ``config`` itself. Fields the config states still win afterwards (:func:`apply_config_stated_fields`).
+    """
+    bridge = upstream_bridge_for_model_type(model_type)
+    if bridge is None:
+        return config
+    import copy
+
+    config = copy.deepcopy(config)
+    config.auto_map = {"AutoModelForCausalLM": bridge.SOURCE_NAME}
+    return config
+
+
 # YaRN keys of an HF ``rope_scaling`` -> Megatron's MLA provider fields.
 _YARN_FIELDS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
                 "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
@@ -58,9 +101,11 @@ def apply_config_stated_fields(provider: Any, hf_config: Any) -> None:
     for theirs, ours in (("head_dim", "kv_channels"), ("num_key_value_heads", "num_query_groups")):
         if getattr(hf_config, theirs, None) is not None:
             stated[ours] = getattr(hf_config, theirs)
-    rope = getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("type", rope.get("rope_type")) == "yarn":
-        stated.update({ours: rope[theirs] for theirs, ours in _YARN_FIELDS.items() if theirs in rope})
+    # transformers 5 keeps a config.json's rope_scaling (and rope_theta) as rope_parameters
+    for rope in (getattr(hf_config, "rope_scaling", None), getattr(hf_config, "rope_parameters", None)):
+        if isinstance(rope, dict) and rope.get("type", rope.get("rope_type")) == "yarn":
+            stated.update({ours: rope[theirs] for theirs, ours in _YARN_FIELDS.items() if theirs in rope})
+            break
     if getattr(hf_config, "aux_loss_alpha", None) is not None:
         stated["moe_aux_loss_coeff"] = hf_config.aux_loss_alpha
     for name, value in stated.items():

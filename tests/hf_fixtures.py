@@ -4,6 +4,12 @@ Every builder writes a complete HF directory (``config.json`` + safetensors, sha
 ``shard_bytes`` is given) and returns its path. Weights are random but deterministic (``seed``); norms are
 around 1, the DeepSeek-V3 expert-score bias is non-zero so that tests see it. Nothing is downloaded.
 
+Built with the installed transformers, 4 or 5. Routed experts are written as released checkpoints hold them,
+one tensor per expert (transformers 5's ``save_pretrained`` writes its fused experts back that way), with
+the same values under both: random values are drawn per expert name. ``expert_layout="fused"`` writes the
+transformers 5 fused layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]):
+by transformers itself where ``save_pretrained`` offers ``save_original_format``, else stacked here.
+
 * :func:`qwen3_dir` — dense Qwen3 (GQA, QK-norm), ``Qwen3ForCausalLM``; :func:`qwen3_tied_dir` the same in
   bf16 with tied embeddings (like Qwen3-0.6B/1.7B/4B).
 * :func:`qwen3_moe_dir` — Qwen3-MoE (softmax router, top-k, no shared expert), ``Qwen3MoeForCausalLM``.
@@ -14,9 +20,11 @@ around 1, the DeepSeek-V3 expert-score bias is non-zero so that tests see it. No
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "KIMI_K2_CONFIG",
@@ -94,11 +102,36 @@ KIMI_K2_TINY_SIZES: dict[str, Any] = dict(
 )
 
 
+# transformers 5's fused routed experts (modeling_qwen3_moe.py / modeling_deepseek_v3.py: gate_up_proj [E, 2I, H]
+# with expert N's gate rows first, down_proj [E, H, I]).
+_FUSED_EXPERTS = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _per_expert_targets(tensors: dict) -> dict:
+    """name -> tensor to fill, routed experts under their released per-expert names (views into fused ones)."""
+    out = {}
+    for name, tensor in tensors.items():
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        for n in range(tensor.shape[0]):
+            if match[2] == "down_proj":
+                out[f"{match[1]}.{n}.down_proj.weight"] = tensor[n]
+            else:
+                half = tensor.shape[1] // 2
+                out[f"{match[1]}.{n}.gate_proj.weight"] = tensor[n, :half]
+                out[f"{match[1]}.{n}.up_proj.weight"] = tensor[n, half:]
+    return out
+
+
 def randomize_(model, *, seed: int) -> None:
     """Overwrite every parameter and floating buffer with deterministic random values.
 
     transformers initializes some tensors to constants (norms to 1, the expert-score bias to 0); a
-    conversion that dropped or swapped them would go unnoticed with those values.
+    conversion that dropped or swapped them would go unnoticed with those values. Values are drawn per
+    released tensor name (routed experts one by one), so a model gets the same values under transformers 4
+    (per-expert modules) and 5 (fused experts).
     """
     import torch
 
@@ -106,6 +139,7 @@ def randomize_(model, *, seed: int) -> None:
     with torch.no_grad():
         tensors = dict(model.named_parameters())
         tensors.update({n: b for n, b in model.named_buffers() if b.is_floating_point() and "inv_freq" not in n})
+        tensors = _per_expert_targets(tensors)
         for name in sorted(tensors):
             t = tensors[name]
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
@@ -125,11 +159,13 @@ def write_hf_dir(
     dtype: str = "float32",
     shard_bytes: int | None = None,
     config_json: dict[str, Any] | None = None,
+    expert_layout: Literal["per_expert", "fused"] = "per_expert",
 ) -> Path:
     """Build a random model for ``config`` and save it to ``out`` as a HF directory.
 
     ``config_json``, when given, is written verbatim as ``config.json`` instead of transformers' own
     serialization (used for configs transformers does not know, such as ``model_type: kimi_k2``).
+    ``expert_layout``: routed experts as released checkpoints store them, or fused as transformers 5 can save.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -142,14 +178,55 @@ def write_hf_dir(
     (out / "config.json").write_text(json.dumps(config_json or raw, indent=2) + "\n")
     hf_config = load_hf_config(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # `dtype`: transformers >= 4.56
     randomize_(model, seed=seed)
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
-    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    if expert_layout == "fused":
+        if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
+            model.save_pretrained(out, save_original_format=False, **kwargs)  # the model's own (fused) names
+        else:
+            _save_fused(model, out, shard_bytes=shard_bytes)
+    else:
+        model.save_pretrained(out, **kwargs)  # safetensors: the default since transformers 4.35
     # save_pretrained rewrote config.json in transformers' own form; the test wants the source's bytes.
     (out / "config.json").write_text(json.dumps(config_json or raw, indent=2) + "\n")
     return out
+
+
+def _save_fused(model, out: Path, *, shard_bytes: int | None) -> None:
+    """Save a per-expert (transformers 4) model with its routed experts fused as transformers 5 stores them:
+    ``torch.stack`` over experts of ``cat([gate, up])`` and of ``down`` (its ``MergeModulelist(dim=0)`` and
+    ``Concatenate(dim=1)``), sharded with huggingface_hub as ``save_pretrained`` does."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    fused: dict[str, Any] = {}
+    for name, tensor in state.items():
+        match = re.match(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if match is None:
+            fused[name] = tensor
+            continue
+        layer = experts.setdefault(match[1], {})
+        layer.setdefault(int(match[2]), {})[match[3]] = tensor
+        fused.setdefault(f"{match[1]}.gate_up_proj", None)  # keep the layer's place in the order
+        fused.setdefault(f"{match[1]}.down_proj", None)
+    for prefix, by_number in experts.items():
+        numbers = sorted(by_number)
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_number[n]["gate_proj"], by_number[n]["up_proj"]]) for n in numbers])
+        fused[f"{prefix}.down_proj"] = torch.stack([by_number[n]["down_proj"] for n in numbers])
+    fused = {k: v.contiguous() for k, v in fused.items()}
+    split = split_torch_state_dict_into_shards(fused, max_shard_size=shard_bytes or "50GB")
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: fused[n] for n in names}, out / file, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in fused.values())},
+                 "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def write_tokenizer(out: str | Path, *, vocab_size: int) -> None:
@@ -181,9 +258,11 @@ def qwen3_tied_dir(out: str | Path, *, seed: int = 0, dtype: str = "bfloat16", s
 
 
 def qwen3_moe_dir(
-    out: str | Path, *, seed: int = 0, dtype: str = "float32", shard_bytes: int | None = None
+    out: str | Path, *, seed: int = 0, dtype: str = "float32", shard_bytes: int | None = None,
+    expert_layout: Literal["per_expert", "fused"] = "per_expert",
 ) -> Path:
-    return write_hf_dir(out, QWEN3_MOE_TINY, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
+    return write_hf_dir(out, QWEN3_MOE_TINY, seed=seed, dtype=dtype, shard_bytes=shard_bytes,
+                        expert_layout=expert_layout)  # fmt: skip
 
 
 def kimi_k2_config(*, dtype: str = "bfloat16", **overrides: Any) -> dict[str, Any]:
@@ -197,10 +276,12 @@ def kimi_k2_config(*, dtype: str = "bfloat16", **overrides: Any) -> dict[str, An
 
 
 def kimi_k2_dir(
-    out: str | Path, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int | None = None, **overrides: Any
+    out: str | Path, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int | None = None,
+    expert_layout: Literal["per_expert", "fused"] = "per_expert", **overrides: Any,
 ) -> Path:
     raw = kimi_k2_config(dtype=dtype, **overrides)
-    return write_hf_dir(out, raw, seed=seed, dtype=dtype, shard_bytes=shard_bytes, config_json=raw)
+    return write_hf_dir(out, raw, seed=seed, dtype=dtype, shard_bytes=shard_bytes, config_json=raw,
+                        expert_layout=expert_layout)  # fmt: skip
 
 
 # Linear weights that DeepSeek-V3 / Kimi K2 releases store in fp8 (not embeddings, lm_head, norms, router).

@@ -382,8 +382,8 @@ def test_transformers_reloads_qwen_export_without_remote_code(converted, name):
     from transformers import AutoModelForCausalLM
 
     run = converted(name)
-    exported = AutoModelForCausalLM.from_pretrained(run["out"], torch_dtype=torch.float32)
-    original = AutoModelForCausalLM.from_pretrained(run["hf"], torch_dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(run["out"], dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32)
     assert type(exported).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM"}.get(name, "Qwen3ForCausalLM")
     if name == "qwen3_tied":
         assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
@@ -408,7 +408,7 @@ def test_kimi_export_reproduces_config_and_loads_into_deepseek_v3(converted):
     assert raw == json.loads((run["hf"] / "config.json").read_text())
     assert raw["model_type"] == "kimi_k2" and raw["auto_map"]["AutoModelForCausalLM"].startswith("modeling_deepseek")
     model, original = (
-        DeepseekV3ForCausalLM.from_pretrained(d, config=load_hf_config(d), torch_dtype=torch.float32)
+        DeepseekV3ForCausalLM.from_pretrained(d, config=load_hf_config(d), dtype=torch.float32)
         for d in (run["out"], run["hf"])
     )
     ids = tokens(model.config.vocab_size)
@@ -456,6 +456,118 @@ def test_fp8_dequantization_matches_block_layout():
     assert (restored - weight).abs().max() <= 0.07 * weight.abs().max()  # e4m3: 3 mantissa bits
     per_element = scale.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :24]
     assert torch.equal(convert.dequantize_fp8(q, scale, (16, 16)), (q.float() * per_element).bfloat16())
+
+
+# ------------------------------------------------------------------------------------------------- expert layouts
+# Released checkpoints store routed experts one tensor each; transformers 5's models fuse them
+# (mlp.experts.gate_up_proj [E, 2I, H]: expert N's gate rows then its up rows; mlp.experts.down_proj [E, H, I])
+# and its save_pretrained(save_original_format=False) writes them so. Under transformers 4 the fused fixture is
+# stacked by tests/hf_fixtures.py; under 5 transformers writes it.
+def test_fused_and_per_expert_checkpoints_hold_the_same_experts(tmp_path):
+    import torch
+
+    from bridge_ext.convert.hf_read import HFTensorReader
+
+    released = hf_fixtures.qwen3_moe_dir(tmp_path / "released", shard_bytes=100_000)
+    fused = hf_fixtures.qwen3_moe_dir(tmp_path / "fused", shard_bytes=100_000, expert_layout="fused")
+    a, b = inspect_hf_dir(released), inspect_hf_dir(fused)
+    assert (a.expert_layout, b.expert_layout) == ("per_expert", "fused")
+    assert len(a.tensors) == 45  # embed, norm, lm_head + 2 x (4 attn + 2 qk-norm + 2 norms + router + 4 experts x 3)
+    assert len(b.tensors) == 25  # each layer's 12 expert tensors are 2 fused ones
+    per, whole = load_all(released), load_all(fused)
+    gate_up, down = whole["model.layers.1.mlp.experts.gate_up_proj"], whole["model.layers.1.mlp.experts.down_proj"]
+    assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)  # [E, 2 x 32, 64], [E, 64, 32]
+    assert torch.equal(gate_up[2, :32], per["model.layers.1.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(gate_up[2, 32:], per["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(down[3], per["model.layers.1.mlp.experts.3.down_proj.weight"])
+    reader = HFTensorReader(b)  # what conversion reads: the released names, one expert's rows at a time
+    assert sorted(reader.names()) == sorted(per)
+    assert all(torch.equal(reader.read(name), tensor) for name, tensor in per.items())
+
+
+def test_fused_checkpoint_problems_are_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fused = hf_fixtures.qwen3_moe_dir(tmp_path / "fused", shard_bytes=100_000, expert_layout="fused")
+    bad = Path(shutil.copytree(fused, tmp_path / "bad_shape"))
+    raw = json.loads((bad / "config.json").read_text())
+    raw["moe_intermediate_size"] = 24
+    (bad / "config.json").write_text(json.dumps(raw))
+    expect_user_error(r"gate_up_proj has shape \[4, 64, 64\], config.json implies \[4, 48, 64\]",
+                      import_hf, bad, tmp_path / "out")  # fmt: skip
+    mixed = Path(shutil.copytree(fused, tmp_path / "mixed"))
+    index_file = mixed / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = mixed / index["weight_map"]["model.layers.0.mlp.experts.gate_up_proj"]
+    tensors = load_file(shard)
+    extra = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    tensors[extra] = tensors["model.layers.0.mlp.experts.gate_up_proj"][0, :32].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"][extra] = shard.name
+    index_file.write_text(json.dumps(index))
+    expect_user_error(r"mixes fused \(model.layers.0.mlp.experts.gate_up_proj\) and per-expert \(" + extra,
+                      import_hf, mixed, tmp_path / "out")  # fmt: skip
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "kimi_k2"])
+def test_fused_checkpoint_imports_like_the_released_one_and_exports_per_expert(converted, name, tmp_path):
+    """A fused checkpoint (same seed as ``converted``'s released one): import verifies against transformers and
+    writes the same Megatron tensors as the released layout's import; export writes the released layout, bit for
+    bit (what transformers 4 and 5 and serving stacks load)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = converted(name)
+    build, _ = MODELS[name]
+    hf = build(tmp_path / "hf", shard_bytes=100_000, expert_layout="fused")
+    source = inspect_hf_dir(hf)
+    assert source.expert_layout == "fused"
+    imported = import_hf(hf, tmp_path / "mg", verify=True, tolerance=FP32_TOLERANCE, progress=False, console=None)
+    assert imported.max_logit_diff <= FP32_TOLERANCE
+    assert imported.tensors == len(source.tensors) and imported.notes == []  # every fused tensor was read
+    checkpoints = []
+    for mg in (tmp_path / "mg", run["mg"]):
+        dcp_to_torch_save(str(mg / "iter_0000000"), str(tmp_path / "state.pt"))
+        state = torch.load(tmp_path / "state.pt", weights_only=False)
+        checkpoints.append({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    assert sorted(checkpoints[0]) == sorted(checkpoints[1]) and any(".experts." in k for k in checkpoints[0])
+    assert all(torch.equal(checkpoints[0][k], v) for k, v in checkpoints[1].items())
+    exported = export_hf(tmp_path / "mg", tmp_path / "out", progress=False, console=None)
+    out, released = load_all(tmp_path / "out"), load_all(run["hf"])
+    assert sorted(out) == sorted(released) and exported.tensors == len(released)
+    for key, tensor in released.items():
+        assert out[key].dtype == tensor.dtype and out[key].reshape(-1).view(torch.uint8).equal(
+            tensor.reshape(-1).view(torch.uint8)), key
+    assert (tmp_path / "out" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+
+
+@pytest.mark.stack
+def test_kimi_k2_converts_with_megatron_bridges_own_bridge_where_it_has_one():
+    """megatron-bridge >= 0.4 has ``KimiK2Bridge`` (model_type kimi_k2): conversion uses it; 0.3 has none and
+    Kimi K2 (``architectures: DeepseekV3ForCausalLM``) converts with the DeepSeek-V3 bridge. Either way the
+    fields the config states win (YaRN betas, aux-loss coefficient, router scoring)."""
+    import megatron.bridge.models as models
+    from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
+
+    from bridge_ext.hf import load_hf_config, upstream_bridge_for_model_type
+
+    own = getattr(models, "KimiK2Bridge", None)
+    assert upstream_bridge_for_model_type("kimi_k2") is own
+    assert upstream_bridge_for_model_type("deepseek_v3") is None  # transformers' own model_type: as it is
+    _prepare_runtime()
+    config = load_hf_config(hf_fixtures.KIMI_K2_CONFIG)
+    bridge = _bridge_for(config, model_type="kimi_k2")
+    assert type(bridge._model_bridge) is (own or DeepSeekV3Bridge)
+    assert type(_bridge_for(config)._model_bridge) is DeepSeekV3Bridge  # no model_type: by architecture
+    provider = bridge.to_megatron_provider(load_weights=False)
+    apply_config_stated_fields(provider, config)
+    assert (provider.beta_fast, provider.beta_slow, provider.rotary_scaling_factor) == (1.0, 1.0, 32.0)
+    assert provider.moe_aux_loss_coeff == 0.001 and provider.moe_router_score_function == "sigmoid"
+    assert provider.moe_router_topk_scaling_factor == 2.827 and provider.num_moe_experts == 384
+    assert config.architectures == ["DeepseekV3ForCausalLM"] and getattr(config, "auto_map", None) is None
 
 
 @pytest.mark.slow
@@ -603,7 +715,7 @@ def test_export_of_a_training_run_latest_and_chosen_iteration(training_run, qwen
     assert all(torch.equal(w5[k], training_run["final"][k]) for k in w5)  # exactly the trained weights
     assert not torch.equal(w3["model.layers.0.mlp.up_proj.weight"], w5["model.layers.0.mlp.up_proj.weight"])
     assert not torch.equal(w0["model.layers.0.mlp.up_proj.weight"], w3["model.layers.0.mlp.up_proj.weight"])
-    model = AutoModelForCausalLM.from_pretrained(root / "latest", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(root / "latest", dtype=torch.float32)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert (root / "latest" / "config.json").read_bytes() == (qwen3_hf / "config.json").read_bytes()
 

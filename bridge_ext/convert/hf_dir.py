@@ -7,13 +7,22 @@ import json
 import math
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.convert.expert_layout import (
+    ExpertLayout,
+    ExpertSlice,
+    expert_layout,
+    fused_shapes,
+    per_expert_shapes,
+    per_expert_views,
+)
 from bridge_ext.errors import UserError
 
-__all__ = ['CONVERSION_RECORD', 'HF_SOURCE_DIR', 'SUPPORTED_ARCHITECTURES', 'HFSource', 'TensorInfo', 'inspect_hf_dir', 'read_safetensors_header']
+__all__ = ['CONVERSION_RECORD', 'HF_SOURCE_DIR', 'SUPPORTED_ARCHITECTURES', 'HFSource', 'TensorInfo', 'inspect_hf_dir',
+           'model_tensor_shapes', 'read_safetensors_header']
 
 
 # HF architecture -> the family name used in messages and docs. Megatron Bridge 0.3.1 has bridges for each.
@@ -80,10 +89,18 @@ class HFSource:
     dtype: str  # the weights' dtype as a torch dtype name ("bfloat16", ...)
     fp8: bool = False  # block-quantized fp8 weights with *_scale_inv tensors (dequantized on import)
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+    expert_layout: ExpertLayout = "none"  # routed experts stored per expert or fused (bridge_ext.convert.expert_layout)
+    # Per-expert name -> its place in a fused tensor (fused checkpoints only): what conversion reads.
+    expert_views: dict[str, ExpertSlice] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
+
+    def stored_name(self, name: str) -> str:
+        """The tensor on disk that holds ``name`` (a per-expert name of a fused checkpoint: the fused tensor)."""
+        view = self.expert_views.get(name)
+        return view.fused if view is not None else name
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
@@ -134,16 +151,27 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
 
 
 def _expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
-    """Every tensor the architecture's transformers model has (name -> shape), built on the meta device."""
+    """Every tensor a checkpoint of the architecture holds (name -> shape), routed experts per expert.
+
+    From the installed transformers' model, built on the meta device; where that model fuses expert weights
+    (transformers 5) they are listed as the per-expert tensors of released checkpoints
+    (:mod:`~bridge_ext.convert.expert_layout`), so the list is the same under every transformers.
+    """
+    return per_expert_shapes(model_tensor_shapes(config))
+
+
+def model_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """The installed transformers model's own state dict (name -> shape), built on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # `dtype`: transformers >= 4.56
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return {name: tuple(t.shape) for name, t in state.items()}
+
 
 
 def _st_to_torch_name(code: str) -> str:
@@ -227,8 +255,15 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     declared = raw.get("torch_dtype") or raw.get("dtype")
     dtype = _check_dtypes(path, tensors, declared=declared, fp8=fp8)
 
+    try:
+        layout = expert_layout(tensors)
+    except ValueError as exc:
+        raise UserError(f"{path} {exc}; convert it from one consistent checkpoint") from None
+    views = per_expert_views({k: v.shape for k, v in tensors.items()}) if layout == "fused" else {}
     if check_tensors:
         expected = _expected_hf_tensors(config)
+        if layout == "fused":  # saved by transformers 5 with save_original_format=False
+            expected = fused_shapes(expected)
         missing = [k for k in expected if k not in tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -242,7 +277,8 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     if fp8 and (len(block) != 2 or quant.get("fmt", "e4m3") != "e4m3"):
         raise UserError(f"{config_file}: only e4m3 fp8 with 2-D weight_block_size is supported, got {quant}")
     return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, tensors=tensors,
-                    files=files, dtype=dtype, fp8=fp8, fp8_block=block)  # fmt: skip
+                    files=files, dtype=dtype, fp8=fp8, fp8_block=block, expert_layout=layout,
+                    expert_views=views)  # fmt: skip
 
 
 def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str | None, fp8: bool) -> str:

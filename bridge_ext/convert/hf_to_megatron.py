@@ -21,7 +21,8 @@ from bridge_ext.convert.hf_dir import (
     inspect_hf_dir,
 )
 from bridge_ext.convert.megatron_ckpt import find_iteration
-from bridge_ext.convert.model import _bridge_for, _build_model, _model_param_names, _prepare_runtime
+from bridge_ext.convert.hf_read import per_expert_state
+from bridge_ext.convert.model import _bridge_for, _build_model, _ConfigSource, _model_param_names, _prepare_runtime
 from bridge_ext.convert.parallel import _distributed, _is_rank0, _union_over_ranks, check_layout
 from bridge_ext.convert.report import ConversionSummary, _human_bytes, _Progress, _say
 from bridge_ext.convert.staging import _check_target, _staged_output
@@ -36,6 +37,8 @@ def _load_hf_into_megatron(
 ) -> tuple[int, int]:
     """Load every Megatron parameter from the HF tensors (``model_bridge.py:697-803``, with accounting).
 
+    ``pretrained`` gives the tensors (``.state``) under the names of Megatron Bridge's mappings; accounting is in
+    the tensors on disk (a fused checkpoint's per-expert names count as the fused tensor that holds them).
     Returns the HF tensors read (fp8 scales included) and their bytes.
     """
     import torch
@@ -56,12 +59,12 @@ def _load_hf_into_megatron(
         load = _fp8_dequantizing(load, source)
     seen: set[str] = set()
     nbytes = 0
-    total = len({n for t in local for n in _hf_names(t.mapping.hf_param)})
+    total = len({source.stored_name(n) for t in local for n in _hf_names(t.mapping.hf_param)})
     with _Progress("import", total=total, enabled=progress and _is_rank0()) as bar:
         for task in local:
             hf_weights = load(task.mapping.hf_param, state)
             converted = task.mapping.hf_to_megatron(hf_weights, task.megatron_module)
-            names = _hf_names(task.mapping.hf_param)
+            names = list(dict.fromkeys(source.stored_name(n) for n in _hf_names(task.mapping.hf_param)))
             fresh = [n for n in names if n not in seen]
             names += [f"{n}_scale_inv" for n in names if f"{n}_scale_inv" in source.tensors]  # fp8 block scales
             task_bytes = sum(source.tensors[n].nbytes for n in names if n in source.tensors and n not in seen)
@@ -123,8 +126,10 @@ def import_hf(
     with _distributed(cpu), _staged_output(target) as staging:
         pretrained = PreTrainedCausalLM(model_name_or_path=str(hf.absolute()), torch_dtype=dtype)
         pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
-        bridge = _bridge_for(source.config, pretrained)
+        bridge = _bridge_for(source.config, pretrained, model_type=source.raw_config.get("model_type"))
         model = _build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
+        if source.expert_layout == "fused":  # Megatron Bridge's mappings name experts one by one
+            pretrained = _ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
         used, _ = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
         used = _union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)
         summary.tensors, summary.bytes = len(used), sum(source.tensors[name].nbytes for name in used)

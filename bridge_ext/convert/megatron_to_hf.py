@@ -23,6 +23,7 @@ from bridge_ext.convert.hf_dir import (
     _expected_hf_tensors,
     inspect_hf_dir,
 )
+from bridge_ext.convert.expert_layout import fused_name
 from bridge_ext.convert.megatron_ckpt import (
     _cause_line,
     _checkpoint_param_dtype,
@@ -153,11 +154,14 @@ def _export_config_json(hf_source: Path, dest: Path, *, dtype: str) -> list[str]
 
 
 def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What the export writes: the architecture's tensors, routed experts one by one as released checkpoints hold
+    them (:mod:`~bridge_ext.convert.expert_layout`: transformers 4 and 5 load it, and Megatron Bridge's mappings
+    name it), each in the dtype the import's source stored it in (a fused source: its fused tensor's)."""
     expected = _expected_hf_tensors(config)
     code = _TORCH_TO_ST[dtype]
     plan = {}
     for name, shape in expected.items():
-        recorded = source_dtypes.get(name)
+        recorded = source_dtypes.get(name) or source_dtypes.get(fused_name(name) or "")
         if recorded in _FLOAT_ST:
             plan[name] = (shape, recorded)
         elif name.endswith(_FP32_TENSOR_SUFFIXES):
@@ -208,7 +212,7 @@ def export_hf(
     stored = _checkpoint_param_dtype(iter_dir)
     plan = _export_plan(config, dtype=declared, source_dtypes=record.get("tensors", {}))
     with _distributed(cpu), _staged_output(target) as staging:
-        bridge = _bridge_for(config)
+        bridge = _bridge_for(config, model_type=raw.get("model_type"))
         model = _build_model(bridge, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)
         try:
             _load_model_weights(iter_dir, model)

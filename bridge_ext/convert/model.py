@@ -8,7 +8,7 @@ from typing import Any
 from bridge_ext.convert.experts import _add_deepseek_sequential_expert_mappings
 from bridge_ext.convert.parallel import _init_parallel
 from bridge_ext.errors import UserError
-from bridge_ext.hf import apply_config_stated_fields
+from bridge_ext.hf import apply_config_stated_fields, upstream_bridge_config
 
 __all__ = []
 
@@ -63,23 +63,31 @@ class _ConfigSource:
     """What Megatron Bridge's conversion reads from an HF model, without weights.
 
     ``build_conversion_tasks`` needs ``state.source.get_all_keys()`` (``model_bridge.py:1185``) to decide which
-    tensors exist; for an export those are the architecture's tensors, listed from a meta-device model.
+    tensors exist; for an export those are the architecture's tensors, listed from a meta-device model. An
+    import of a fused-expert checkpoint passes ``state``: its tensors under per-expert names.
     """
 
-    def __init__(self, config: Any, keys: Iterable[str], path: str | None = None):
+    def __init__(self, config: Any, keys: Iterable[str] = (), path: str | None = None, *, state: Any = None):
         import torch
         from megatron.bridge.models.hf_pretrained.state import StateDict
 
         self.config = config
         self.model_name_or_path = path
         self.trust_remote_code = False
-        self.state = StateDict({k: torch.empty(0, device="meta") for k in keys})
+        self.state = state if state is not None else StateDict({k: torch.empty(0, device="meta") for k in keys})
 
 
-def _bridge_for(config: Any, pretrained: Any | None = None) -> Any:
-    """An ``AutoBridge`` for a transformers config (built by :func:`bridge_ext.hf.load_hf_config`)."""
+def _bridge_for(config: Any, pretrained: Any | None = None, *, model_type: str | None = None) -> Any:
+    """An ``AutoBridge`` for a transformers config (built by :func:`bridge_ext.hf.load_hf_config`).
+
+    ``model_type``: the ``config.json``'s own; where Megatron Bridge has a bridge for it (``KimiK2Bridge`` for
+    ``kimi_k2``, megatron-bridge >= 0.4) that bridge converts (:func:`bridge_ext.hf.upstream_bridge_config`).
+    """
     from megatron.bridge import AutoBridge
 
+    config = upstream_bridge_config(config, model_type=model_type)
+    if pretrained is not None:
+        pretrained.config = config
     try:
         AutoBridge._validate_config(config)
     except ValueError as exc:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.fp8 import dequantize_fp8
-from bridge_ext.convert.hf_dir import HFSource, inspect_hf_dir
+from bridge_ext.convert.expert_layout import assemble, expert_layout
+from bridge_ext.convert.hf_dir import HFSource, model_tensor_shapes, inspect_hf_dir
+from bridge_ext.convert.hf_read import HFTensorReader
 from bridge_ext.convert.megatron_ckpt import _load_model_weights
 from bridge_ext.convert.model import _bridge_for, _build_model, _prepare_runtime
 from bridge_ext.convert.parallel import _distributed
@@ -43,7 +44,7 @@ def verify_logits(
     tokens = _verify_tokens(source.config.vocab_size)
 
     with _distributed(cpu):
-        bridge = _bridge_for(source.config)
+        bridge = _bridge_for(source.config, model_type=source.raw_config.get("model_type"))
         model = _build_model(bridge, cpu=cpu, dtype=torch.float32)
         _load_model_weights(Path(iter_dir), model)
         megatron_model = model[0]
@@ -64,31 +65,27 @@ def verify_logits(
 
 
 def _hf_reference_model(source: HFSource) -> Any:
-    """The source as a transformers model in fp32 (eager attention); fp8 sources dequantized like the import."""
+    """The source as a transformers model in fp32 (eager attention), loaded by transformers' ``from_pretrained``
+    wherever it can: a per-expert checkpoint under any transformers (5 fuses experts on load), a fused one where
+    the installed model is fused too. fp8 sources (transformers would quantize on load, GPU only) and fused
+    checkpoints under a per-expert transformers are read here: dequantized like the import, experts assembled to
+    the installed model's layout (:mod:`~bridge_ext.convert.expert_layout`)."""
     import torch
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    if not source.fp8:
+    model_layout = expert_layout(model_tensor_shapes(source.config))
+    if not source.fp8 and source.expert_layout in ("none", "per_expert", model_layout):
         return AutoModelForCausalLM.from_pretrained(
-            str(source.path), config=source.config, torch_dtype=torch.float32, attn_implementation="eager"
+            str(source.path), config=source.config, dtype=torch.float32, attn_implementation="eager"
         )
-    # transformers would quantize-on-load (GPU only); build in fp32 and load dequantized tensors instead.
-    source.config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(source.config, torch_dtype=torch.float32)
-    wanted = model.state_dict()
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        if name in source.tensors:
-            by_file.setdefault(source.tensors[name].file, []).append(name)
-    handles = {f: safe_open(str(source.path / f), "pt") for f in {i.file for i in source.tensors.values()}}
+    model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, attn_implementation="eager")
+    reader = HFTensorReader(source, dequantize=True)
     with torch.no_grad():
-        for file, names in by_file.items():
-            for name in names:
-                tensor = handles[file].get_tensor(name)
-                scale = source.tensors.get(f"{name}_scale_inv")
-                if tensor.dtype == torch.float8_e4m3fn and scale is not None:
-                    scale_inv = handles[scale.file].get_tensor(f"{name}_scale_inv")
-                    tensor = dequantize_fp8(tensor, scale_inv, source.fp8_block)
-                wanted[name].copy_(tensor.to(torch.float32))
+        for name, target in model.state_dict().items():
+            try:
+                tensor = assemble(name, tuple(target.shape), reader.read)
+            except KeyError:  # not stored: tied lm_head, rotary buffers
+                continue
+            target.copy_(tensor.to(torch.float32))
+    reader.close()
     return model
