@@ -463,6 +463,26 @@ def test_fp8_dequantization_matches_block_layout():
 # (mlp.experts.gate_up_proj [E, 2I, H]: expert N's gate rows then its up rows; mlp.experts.down_proj [E, H, I])
 # and its save_pretrained(save_original_format=False) writes them so. Under transformers 4 the fused fixture is
 # stacked by tests/hf_fixtures.py; under 5 transformers writes it.
+def test_expert_layout_names_and_shapes():
+    from bridge_ext.convert.expert_layout import expert_layout, fused_shapes, per_expert_shapes, per_expert_views
+
+    fused = {"model.layers.0.mlp.gate.weight": (2, 8), "model.layers.0.mlp.experts.gate_up_proj": (2, 6, 8),
+             "model.layers.0.mlp.experts.down_proj": (2, 8, 3), "model.norm.weight": (8,)}
+    released = {"model.layers.0.mlp.gate.weight": (2, 8),
+                **{f"model.layers.0.mlp.experts.{n}.{p}.weight": s for n in (0, 1)
+                   for p, s in (("gate_proj", (3, 8)), ("up_proj", (3, 8)), ("down_proj", (8, 3)))},
+                "model.norm.weight": (8,)}  # fmt: skip
+    assert list(per_expert_shapes(fused).items()) == list(released.items())  # transformers 4's order
+    assert fused_shapes(released) == fused and per_expert_shapes(released) == released
+    views = per_expert_views(fused)
+    assert views["model.layers.0.mlp.experts.1.up_proj.weight"] == ("model.layers.0.mlp.experts.gate_up_proj", 1, (3, 6))
+    assert views["model.layers.0.mlp.experts.0.down_proj.weight"] == ("model.layers.0.mlp.experts.down_proj", 0, None)
+    assert (expert_layout(fused), expert_layout(released), expert_layout(["model.norm.weight"])) == (
+        "fused", "per_expert", "none")  # fmt: skip
+    with pytest.raises(ValueError, match="mixes fused"):
+        expert_layout([*fused, *released])
+
+
 def test_fused_and_per_expert_checkpoints_hold_the_same_experts(tmp_path):
     import torch
 
