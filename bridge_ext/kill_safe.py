@@ -1,12 +1,13 @@
 """Kill-safe training: a run stopped at any moment resumes.
 
-* :func:`install_atomic_save`: Megatron Bridge 0.3's ``save_checkpoint`` (``training/checkpointing.py``) writes
-  the trackers ``latest_train_state.pt`` and ``latest_checkpointed_iteration.txt`` inside its nested
-  ``train_state_finalize_fn`` *before* ``cfg.to_yaml(config_filename)`` writes ``run_config.yaml`` and before
-  the tokenizer files; a run killed in between names an iteration it can never load. Around that function we
-  let it write the two trackers into the iteration directory instead, and move them into place (``os.replace``)
-  only once every file of the iteration is there and flushed. Upstream code is matched by content
-  (:data:`_SAVE_SNIPPETS`), never by line numbers.
+* Atomic saves (:func:`atomic_save_checkpoint` and its helpers, installed by the ``atomic-checkpoint-save``
+  patch of ``bridge_ext.patches.checkpointing``): Megatron Bridge 0.3's ``save_checkpoint``
+  (``training/checkpointing.py``) writes the trackers ``latest_train_state.pt`` and
+  ``latest_checkpointed_iteration.txt`` inside its nested ``train_state_finalize_fn`` *before*
+  ``cfg.to_yaml(config_filename)`` writes ``run_config.yaml`` and before the tokenizer files; a run killed in
+  between names an iteration it can never load. Around that function we let it write the two trackers into the
+  iteration directory instead, and move them into place (``os.replace``) only once every file of the iteration
+  is there and flushed.
 * :func:`prepare_resume`: the iteration a run loads (``bridge_ext.checkpoints.resume_point``), said in one line
   when it is not the one the tracker names.
 * :func:`graceful_stop`: Megatron Bridge polls ``state.signal_handler`` when ``train.exit_signal_handler`` is on
@@ -31,19 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_save_function", "exit_with_parent", "graceful_stop", "install_atomic_save",
-           "keep_helpers_with_trainer", "prepare_resume", "stop_line"]
-
-_CKPT_MODULE = "megatron.bridge.training.checkpointing"
-# What the wrapper relies on inside save_checkpoint (both megatron-bridge 0.3.0 and 0.3.1 have them).
-_SAVE_SNIPPETS = (
-    "train_state_global_filename = get_checkpoint_train_state_filename(save_dir, prefix=TRACKER_PREFIX)",
-    "tracker_filename = get_checkpoint_tracker_filename(save_dir)",
-    "cfg.to_yaml(config_filename)",
-    "async_save_request.add_finalize_fn(train_state_finalize_fn)",
-    "schedule_async_save(state, async_save_request)",
-    "cleanup_old_non_persistent_checkpoint(",
-)
+__all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
+           "graceful_stop", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker", "start_results_server",
+           "stop_line"]
 
 
 def _rank() -> int:
@@ -83,42 +74,7 @@ def _same_dir(path: str, save: _Save | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- atomic save
-def check_save_function() -> None:
-    """``UpstreamDrift`` when the installed ``save_checkpoint`` lacks a line the wrapper relies on."""
-    from bridge_ext.stack import UpstreamDrift, package_of
-
-    save = importlib.import_module(_CKPT_MODULE).save_checkpoint
-    source = inspect.getsource(inspect.unwrap(save))
-    missing = [snippet for snippet in _SAVE_SNIPPETS if snippet not in source]
-    if missing:
-        raise UpstreamDrift(f"{package_of(_CKPT_MODULE)}: save_checkpoint no longer contains {missing[0]!r}; "
-                            "bridge_ext.kill_safe (atomic checkpoint saves) needs updating for this release")
-
-
-def install_atomic_save() -> None:
-    """Make Megatron Bridge's persistent saves commit atomically (idempotent, every rank)."""
-    ckpt = importlib.import_module(_CKPT_MODULE)
-    if getattr(ckpt.save_checkpoint, "_kill_safe", False):
-        return
-    check_save_function()
-    importlib.import_module("megatron.bridge.training.train")  # holds its own reference to save_checkpoint
-    original = ckpt.save_checkpoint
-    wrapped = _atomic(original)
-    for module in list(sys.modules.values()):  # every module that imported the function by name
-        if getattr(module, "__name__", "").startswith("megatron.bridge") and \
-                getattr(module, "save_checkpoint", None) is original:
-            module.save_checkpoint = wrapped
-    tracker, train_state = ckpt.get_checkpoint_tracker_filename, ckpt.get_checkpoint_train_state_filename
-    ckpt.get_checkpoint_tracker_filename = functools.wraps(tracker)(
-        lambda checkpoints_path: _staged(tracker(checkpoints_path), checkpoints_path))
-    ckpt.get_checkpoint_train_state_filename = functools.wraps(train_state)(
-        lambda checkpoints_path, prefix=None: train_state(checkpoints_path, prefix=prefix) if prefix is None
-        else _staged(train_state(checkpoints_path, prefix=prefix), checkpoints_path))
-    ckpt.schedule_async_save = _scheduling(ckpt.schedule_async_save)
-    ckpt.cleanup_old_non_persistent_checkpoint = _deferred_cleanup(ckpt.cleanup_old_non_persistent_checkpoint)
-
-
-def _staged(path: str, checkpoints_path: str) -> str:
+def staged_tracker(path: str, checkpoints_path: str) -> str:
     """During a save, the trackers of its directory are written next to the iteration's files instead."""
     if not _same_dir(checkpoints_path, _active):
         return path  # loading, or a save this module does not handle
@@ -127,7 +83,8 @@ def _staged(path: str, checkpoints_path: str) -> str:
     return staged
 
 
-def _atomic(original):
+def atomic_save_checkpoint(original):
+    """``save_checkpoint`` whose persistent saves commit their trackers only once the iteration is complete."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -156,11 +113,11 @@ def _atomic(original):
         _saved.add(key)
         return result
 
-    save_checkpoint._kill_safe = True
     return save_checkpoint
 
 
-def _scheduling(original):
+def commit_after_async_save(original):
+    """``schedule_async_save`` that commits an async save after upstream's finalize functions."""
     @functools.wraps(original)
     def schedule_async_save(global_state: Any, async_request: Any) -> Any:
         if _active is not None:  # commit after upstream's finalize functions (metadata.json, trackers, config)
@@ -171,7 +128,8 @@ def _scheduling(original):
     return schedule_async_save
 
 
-def _deferred_cleanup(original):
+def deferred_cleanup(original):
+    """``cleanup_old_non_persistent_checkpoint`` that leaves most_recent_k to the commit of the new iteration."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -382,41 +340,39 @@ def keep_helpers_with_trainer(*, start_now: bool = False) -> None:
     megatron-core's torch_dist writer (``dist_checkpointing/strategies/filesystem_async.py``,
     ``_get_write_results_queue``) starts a ``multiprocessing`` Manager server with the spawn method at the
     first save, which in turn starts a resource tracker; a trainer killed with SIGKILL left both running
-    forever. The Manager is started here with :func:`exit_with_parent` in its initializer instead, and every
+    forever. The Manager is started here (and by the ``checkpoint-writer-dies-with-trainer`` patch) with
+    :func:`exit_with_parent` in its initializer instead, and every
     process forked through ``multiprocessing`` (writer processes, data loader workers) gets the same. Started
     with the run (``start_now``), the Manager has imported torch by the first save: that import, on the first
     write result the server unpickles, made the first save seconds slower, a SIGTERM's save included.
     """
     import multiprocessing
     import multiprocessing.util
-    import threading
 
     if not getattr(_after_fork_anchor, "registered", False):
         multiprocessing.util.register_after_fork(
             _after_fork_anchor, lambda _: exit_with_parent(getattr(multiprocessing.parent_process(), "pid", None)))
         _after_fork_anchor.registered = True
-    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    writer = importlib.import_module(_WRITER)
     factory = getattr(writer, "_get_write_results_queue", None)
-    if factory is None or "Manager()" not in inspect.getsource(inspect.unwrap(factory)):
-        return  # the installed writer keeps no Manager of its own
+    if start_now and factory is not None and "Manager()" in inspect.getsource(inspect.unwrap(factory)):
+        start_results_server()
 
-    def start_server() -> None:
-        from multiprocessing.managers import SyncManager
 
-        # PR_SET_PDEATHSIG fires when the creating *thread* ends: only start it from the main thread
-        if writer._results_queue is None and threading.current_thread() is threading.main_thread():
-            manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            manager.start(initializer=_results_server, initargs=(os.getpid(),))
-            _managers.append(manager)  # a collected manager shuts its server down
-            writer._results_queue = manager.Queue()
+_WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
-    if not getattr(factory, "_kill_safe", False):
-        @functools.wraps(factory)
-        def results_queue() -> Any:
-            start_server()
-            return factory()
 
-        results_queue._kill_safe = True
-        writer._get_write_results_queue = results_queue
-    if start_now:
-        start_server()
+def start_results_server() -> None:
+    """Start the torch_dist writer's results Manager with :func:`exit_with_parent` in its initializer (once;
+    the ``checkpoint-writer-dies-with-trainer`` patch calls it before the writer's own factory would)."""
+    import multiprocessing
+    import threading
+    from multiprocessing.managers import SyncManager
+
+    writer = importlib.import_module(_WRITER)
+    # PR_SET_PDEATHSIG fires when the creating *thread* ends: only start it from the main thread
+    if writer._results_queue is None and threading.current_thread() is threading.main_thread():
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_results_server, initargs=(os.getpid(),))
+        _managers.append(manager)  # a collected manager shuts its server down
+        writer._results_queue = manager.Queue()

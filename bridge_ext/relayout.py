@@ -10,8 +10,9 @@ reports: resuming or exporting an EP>1 checkpoint elsewhere):
   member: EP1 -> [muon, adam], EP2 -> [muon, muon (experts), adam]. The non-tensor part of the optimizer
   state (param groups, Adam's step) is saved in ``common.pt`` in the saving layout's structure, and
   ``dist_checkpointing.load`` merges it into the loading layout's: "Cannot merge two lists with different
-  lengths" (``dist_checkpointing/dict_utils.py``). :func:`install` makes ``dist_checkpointing.load`` load the
-  optimizer state into the *loading* layout's structure: the common part is what this layout would have
+  lengths" (``dist_checkpointing/dict_utils.py``). :func:`load_into_this_layout` (installed over
+  ``dist_checkpointing.load`` by the ``relayout-optimizer-load`` patch) loads the optimizer state into the
+  *loading* layout's structure: the common part is what this layout would have
   saved (its param groups), the tensors load by key as always (so they reshard), and the one saved
   non-tensor value a resume needs is carried over: Adam's step (``common_step``). Learning rate and
   weight decay come from the scheduler's state, which loads as before.
@@ -20,44 +21,17 @@ reports: resuming or exporting an EP>1 checkpoint elsewhere):
   :func:`prepare` turns ``checkpoint.load_rng`` off for such a resume (as Megatron Bridge does for a TP/PP
   change: a new layout draws new per-rank RNG streams) and says so.
 
-Each upstream spot is matched by content (``check_targets``; tests/test_parallel_cpu.py checks them on every
-stack).
+Each upstream spot the load relies on is matched by content (the patch's snippets in
+``bridge_ext.patches.checkpointing``; tests/test_patches.py checks them on every stack).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.stack import missing_snippets, package_of
-
-__all__ = ["check_targets", "install", "prepare"]
-
-# Upstream code this module relies on, by content.
-_TARGETS: dict[str, tuple[str, ...]] = {
-    # the common (non-tensor) state is the base the loaded tensors are merged into
-    "megatron.core.dist_checkpointing.serialization": (
-        "common_state_dict = common_strategy.load_common(checkpoint_dir)",
-        "merge(common_state_dict, loaded_state_dict)",
-    ),
-    # Megatron Bridge loads through the package attribute; rng_state's sharding follows EP; the check is TP/PP
-    "megatron.bridge.training.checkpointing": (
-        "state_dict = dist_checkpointing.load(",
-        "if ep_size > 1:",
-        "(TP, PP) mismatch after resume",
-        "and cfg.checkpoint.load_rng",
-    ),
-    # EP>1 gives the expert weights their own optimizer member / param groups
-    "megatron.core.optimizer.muon": ("if group['is_expert_parallel']:",),
-    "megatron.core.optimizer": ("is_expert_parallel = not getattr(param, 'allreduce', True)",),
-}
-
-def check_targets() -> list[str]:
-    """What no longer matches upstream: one line per missing snippet; empty when everything fits."""
-    return [f"{package_of(module)}: {module} no longer contains {code!r} (relayout)"
-            for module, snippets in _TARGETS.items() for code in missing_snippets(module, snippets)]
+__all__ = ["load_into_this_layout", "prepare"]
 
 
 def _param_group_shape(tree: Any, path: tuple = ()) -> list[tuple[tuple, int]]:
@@ -103,8 +77,10 @@ class _CommonWithOptimizer:
         return getattr(self._inner, name)
 
 
-def _load(original: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
-    """``dist_checkpointing.load`` that loads the optimizer state into the loading layout's structure."""
+def load_into_this_layout(original: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+    """``dist_checkpointing.load`` (``original``) that loads the optimizer state into the loading layout's
+    structure; every other load goes to upstream's function unchanged."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensorFactory
@@ -131,22 +107,6 @@ def _load(original: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: An
     _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
     kwargs["common_strategy"] = _CommonWithOptimizer(common_strategy, rebuilt)
     return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-
-
-def install() -> None:
-    """Make ``megatron.core.dist_checkpointing.load`` reshard the optimizer across expert-parallel sizes.
-
-    Idempotent; only changes loads whose saved optimizer structure differs from the loading one (every
-    other load goes to upstream's function unchanged).
-    """
-    from megatron.core import dist_checkpointing
-
-    if getattr(dist_checkpointing.load, "_bridge_ext_relayout", False):
-        return
-    wrapped = functools.partial(_load, dist_checkpointing.load)
-    load = functools.update_wrapper(lambda *a, **k: wrapped(*a, **k), dist_checkpointing.load)
-    load._bridge_ext_relayout = True  # type: ignore[attr-defined]
-    dist_checkpointing.load = load
 
 
 def _expert_parallel(model: dict) -> int:

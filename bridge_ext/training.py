@@ -97,9 +97,9 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    from bridge_ext import kill_safe
+    from bridge_ext import kill_safe, patches
 
-    kill_safe.install_atomic_save()
+    patches.apply("checkpointing")  # atomic saves, writer helpers that die with us, loads across EP layouts
     saves_torch_dist = bool(cfg.checkpoint.save) and cfg.checkpoint.ckpt_format == "torch_dist"
     kill_safe.keep_helpers_with_trainer(start_now=saves_torch_dist)
     note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
@@ -108,7 +108,6 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     from bridge_ext import relayout
     from bridge_ext.cpu_config import launched_world_size
 
-    relayout.install()  # a resume in another expert-parallel layout loads the optimizer into this layout's structure
     note = relayout.prepare(cfg, world_size=launched_world_size())
     if note:
         print(note, file=sys.stderr, flush=True)

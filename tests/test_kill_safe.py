@@ -143,13 +143,19 @@ def test_training_loads_the_resume_point_and_refuses_incomplete_choices(tmp_path
 
 
 def test_a_changed_save_function_is_refused(monkeypatch):
-    from bridge_ext import kill_safe
+    import dataclasses
+
+    from bridge_ext import patches
+    from bridge_ext.patches import registry
     from bridge_ext.stack import UpstreamDrift
 
-    kill_safe.check_save_function()  # the installed Megatron Bridge has every line the wrapper relies on
-    monkeypatch.setattr(kill_safe, "_SAVE_SNIPPETS", (*kill_safe._SAVE_SNIPPETS, "write_tracker_last(save_dir)"))
-    with pytest.raises(UpstreamDrift, match="save_checkpoint no longer contains 'write_tracker_last"):
-        kill_safe.check_save_function()
+    patch = next(p for p in patches.REGISTRY if p.name == "atomic-checkpoint-save")
+    assert patches.problems(patch) == []  # the installed Megatron Bridge has every line the wrapper relies on
+    changed = dataclasses.replace(patch, name="atomic-checkpoint-save (changed)",
+                                  snippets=(*patch.snippets, "write_tracker_last(save_dir)"))
+    monkeypatch.setattr(registry, "REGISTRY", (changed,))
+    with pytest.raises(UpstreamDrift, match="checkpointing no longer contains 'write_tracker_last"):
+        patches.apply("checkpointing")
 
 
 # ---------------------------------------------------------------------------------------- kill-point test

@@ -27,9 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 # (megatron-core 0.16's Muon calls vs the installed emerging-optimizers' signatures; the PyPI megatron-core wheel
 # ships no datasets Makefile). The others apply wherever their scope is used (CPU mode's in CPU mode).
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
-    ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers"},
+    ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
+                         "checkpoint-writer-dies-with-trainer"},
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
-    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap"},
+    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer"},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}

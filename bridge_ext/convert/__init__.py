@@ -28,8 +28,8 @@ its per-model mappings; what this module adds:
 Parts: :mod:`~bridge_ext.convert.hf_dir` (reading and validating HF directories),
 :mod:`~bridge_ext.convert.megatron_ckpt` (finding and reading Megatron checkpoints),
 :mod:`~bridge_ext.convert.staging` (staged, atomic output), :mod:`~bridge_ext.convert.parallel` (process group
-and parallel state), :mod:`~bridge_ext.convert.model` (building the Megatron side),
-:mod:`~bridge_ext.convert.experts` (SequentialMLP experts in Megatron Bridge's mappings),
+and parallel state), :mod:`~bridge_ext.convert.model` (building the Megatron side; SequentialMLP experts in
+Megatron Bridge's mappings: ``bridge_ext.patches.conversion``),
 :mod:`~bridge_ext.convert.fp8`, :mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron`
 (import), :mod:`~bridge_ext.convert.megatron_to_hf` (export), :mod:`~bridge_ext.convert.report` (summary and
 progress) and :mod:`~bridge_ext.convert.cli` (``register``).

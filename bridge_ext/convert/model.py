@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from bridge_ext.convert.experts import _add_deepseek_sequential_expert_mappings
 from bridge_ext.convert.parallel import _init_parallel
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields, upstream_bridge_config
@@ -20,7 +19,7 @@ def _use_cpu() -> bool:
 
 
 def _prepare_runtime() -> bool:
-    """Import guards, CPU mode when no GPU is visible, and DeepSeek SequentialMLP mappings. True on CPU."""
+    """Import guards, CPU mode when no GPU is visible, and the conversion patches (SequentialMLP experts). True on CPU."""
     from bridge_ext import patches
 
     patches.apply("import")
@@ -31,7 +30,7 @@ def _prepare_runtime() -> bool:
         if not hasattr(cpu_mode, "enable_cpu_mode"):
             raise RuntimeError("bridge_ext.cpu_mode.enable_cpu_mode is missing; CPU conversion needs it")
         cpu_mode.enable_cpu_mode()
-    _add_deepseek_sequential_expert_mappings()
+    patches.apply("conversion")
     return cpu
 
 

@@ -19,7 +19,7 @@ Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, 
 ``python -m bridge_ext.patches`` prints the table (``--markdown``: docs/patches.md).
 """
 
-from bridge_ext.patches.core import Area, Patch, Scope
+from bridge_ext.patches.core import Area, Patch, Scope, problems
 from bridge_ext.patches.registry import (
     REGISTRY,
     applied,
@@ -31,5 +31,5 @@ from bridge_ext.patches.registry import (
     temporarily,
 )
 
-__all__ = ["REGISTRY", "Area", "Patch", "Scope", "applied", "applied_here", "apply", "drift", "markdown", "table",
-           "temporarily"]
+__all__ = ["REGISTRY", "Area", "Patch", "Scope", "applied", "applied_here", "apply", "drift", "markdown", "problems",
+           "table", "temporarily"]

@@ -14,7 +14,8 @@ import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
-from bridge_ext.patches import cpu, import_time, optimizer, qk_clip, training
+from bridge_ext.patches import (checkpointing, conversion, cpu, import_time, optimizer, optimizer_fields, qk_clip,
+                                 training)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -23,8 +24,11 @@ __all__ = ["REGISTRY", "applied", "applied_here", "apply", "drift", "markdown", 
 REGISTRY: tuple[Patch, ...] = (
     *import_time.PATCHES,
     *optimizer.PATCHES,
+    *optimizer_fields.PATCHES,
     *qk_clip.PATCHES,
     *training.PATCHES,
+    *checkpointing.PATCHES,
+    *conversion.PATCHES,
     *cpu.PATCHES,
 )
 

@@ -1,20 +1,25 @@
-"""SequentialMLP experts (no grouped GEMM: CPU, or no Transformer Engine) in Megatron Bridge's conversion."""
+"""Conversion patches (scope ``conversion``): SequentialMLP experts (no grouped GEMM: CPU, or no Transformer
+Engine) in Megatron Bridge's HF <-> Megatron conversion.
+
+* ``deepseek-sequential-expert-mappings``: the DeepSeek-V3 bridge (Kimi K2's) maps only grouped-GEMM expert names.
+* ``sequential-expert-export``: exporting ``local_experts.<N>`` fails on ``int('')``; with EP > 1 experts are
+  gathered with their global numbers.
+* ``sequential-expert-numbers``: under EP > 1 a SequentialMLP expert keeps its local number.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.stack import expect_snippets
+from bridge_ext.patches.core import Patch
 
-__all__ = []
-
-
-_SEQUENTIAL_MLP_PATCHED = False
+__all__ = ["PATCHES"]
 
 
-def _add_deepseek_sequential_expert_mappings() -> None:
-    """Give Megatron Bridge's DeepSeek-V3 bridge the SequentialMLP (``local_experts``) parameter names.
+def _with_sequential_expert_mappings(original: Callable) -> Callable:
+    """``DeepSeekV3Bridge.mapping_registry`` that also maps the SequentialMLP (``local_experts``) parameter names.
 
     ``megatron/bridge/models/deepseek/common.py:103,132-136`` (megatron-bridge 0.3.1) map only the grouped-GEMM
     expert names (``mlp.experts.linear_fc1.weight<N>``). Without Transformer Engine or on CPU, experts are a
@@ -22,14 +27,8 @@ def _add_deepseek_sequential_expert_mappings() -> None:
     (``model_bridge.py:1205``) then skips them with a warning, so they would be neither loaded nor exported.
     Qwen3-MoE's bridge already has both sets (``qwen/qwen3_moe_bridge.py:110-118``); this adds the same two.
     """
-    global _SEQUENTIAL_MLP_PATCHED
-    if _SEQUENTIAL_MLP_PATCHED:
-        return
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
-    from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
-
-    original = DeepSeekV3Bridge.mapping_registry
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         registry = original(self)
@@ -52,30 +51,21 @@ def _add_deepseek_sequential_expert_mappings() -> None:
             )
         return MegatronMappingRegistry(*registry.mappings, *extra) if extra else registry
 
-    DeepSeekV3Bridge.mapping_registry = mapping_registry
-    _fix_sequential_expert_export()
-    _SEQUENTIAL_MLP_PATCHED = True
+    return mapping_registry
 
 
-def _fix_sequential_expert_export() -> None:
-    """Export SequentialMLP experts (``local_experts.<N>``), with any expert-parallel size.
+def _sequential_expert_export(original: Callable) -> Callable:
+    """``MegatronParamMapping.gather_from_ep_ranks`` that exports SequentialMLP experts (``local_experts.<N>``),
+    with any expert-parallel size.
 
     ``megatron/bridge/models/conversion/param_mapping.py:674-678`` (megatron-bridge 0.3.1, ``gather_from_ep_ranks``)
     reads the expert number from the text after ``.weight`` (grouped-GEMM names ``linear_fc1.weight<N>``);
     for ``local_experts.<N>.linear_fc1.weight`` that text is empty and ``int('')`` raises. With one EP rank
     there is nothing to gather: the weight is the HF expert's. With EP > 1 each rank of the EP group holds
     another expert at this point of the (identically ordered) export: the tensors are all-gathered with the
-    global expert numbers they belong to (set by :func:`_globalize_sequential_expert_numbers`), so every rank
+    global expert numbers they belong to (``sequential-expert-numbers``), so every rank
     yields every expert under its own HF name, whatever order the ranks' tasks were sorted in.
     """
-    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
-
-    expect_snippets("megatron.bridge.models.conversion.param_mapping",
-                    ("global_expert_number = int(self.megatron_param.split(key)[-1])",), fix="sequential-expert-export")
-    original = MegatronParamMapping.gather_from_ep_ranks
-    if getattr(original, "_bridge_ext", False):
-        return
-
     def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
         if ".local_experts." not in self.megatron_param:
             return original(self, megatron_weights, megatron_module, hf_param_name)
@@ -90,17 +80,16 @@ def _fix_sequential_expert_export() -> None:
         torch.distributed.all_gather(gathered, megatron_weights.contiguous(), group=self.ep_group)
         return {_HF_EXPERT.sub(str(n), str(hf_param_name), count=1): w for n, w in zip(numbers, gathered)}
 
-    gather_from_ep_ranks._bridge_ext = True  # type: ignore[attr-defined]
-    MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
-    _globalize_sequential_expert_numbers()
+    return gather_from_ep_ranks
 
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _HF_EXPERT = re.compile(r"(?<=\.experts\.)\d+")  # model.layers.L.mlp.experts.<N>.gate_proj.weight
 
 
-def _globalize_sequential_expert_numbers() -> None:
-    """Name SequentialMLP experts by their global number under expert parallelism.
+def _global_sequential_expert_numbers(original: Callable) -> Callable:
+    """``model_bridge._megatron_local_name_to_global`` that names SequentialMLP experts by their global number
+    under expert parallelism.
 
     ``megatron/bridge/models/conversion/model_bridge.py`` ``_megatron_local_name_to_global`` (lines 146-166 in
     megatron-bridge 0.3.1) turns a grouped-GEMM expert's local number (``linear_fc1.weight<N>``) into the
@@ -109,15 +98,7 @@ def _globalize_sequential_expert_numbers() -> None:
     ``experts_per_rank * ep_rank + N``, as upstream does for grouped GEMM; the module is still looked up by its
     local name (``build_conversion_tasks`` keeps both).
     """
-    from megatron.bridge.models.conversion import model_bridge
     from megatron.core import parallel_state
-
-    expect_snippets("megatron.bridge.models.conversion.model_bridge",
-                    ('if ".mlp.experts.linear_fc" in param_name and get_pg_size(ep_group) > 1',),
-                    fix="sequential-expert-numbers")  # fmt: skip
-    original = model_bridge._megatron_local_name_to_global
-    if getattr(original, "_bridge_ext", False):
-        return
 
     def _megatron_local_name_to_global(models, config, param_name, vp_stage=None):
         name = original(models, config, param_name, vp_stage)
@@ -128,5 +109,32 @@ def _globalize_sequential_expert_numbers() -> None:
         number = config.num_moe_experts // ep_size * parallel_state.get_expert_model_parallel_rank() + int(match[1])
         return f"{name[: match.start(1)]}{number}{name[match.end(1) :]}"
 
-    _megatron_local_name_to_global._bridge_ext = True  # type: ignore[attr-defined]
-    model_bridge._megatron_local_name_to_global = _megatron_local_name_to_global
+    return _megatron_local_name_to_global
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="deepseek-sequential-expert-mappings", area="conversion", scope="conversion",
+        module="megatron.bridge.models.deepseek.deepseek_v3_bridge", attr="DeepSeekV3Bridge.mapping_registry",
+        upstream="megatron/bridge/models/deepseek/common.py: expert mappings for grouped-GEMM names only",
+        why="SequentialMLP experts (local_experts.<N>) would be skipped with a warning: neither loaded nor exported",
+        when="always (each mapping is added only where the bridge lacks it)",
+        make=_with_sequential_expert_mappings,
+    ),
+    Patch(
+        name="sequential-expert-export", area="conversion", scope="conversion",
+        module="megatron.bridge.models.conversion.param_mapping", attr="MegatronParamMapping.gather_from_ep_ranks",
+        upstream="megatron/bridge/models/conversion/param_mapping.py MegatronParamMapping.gather_from_ep_ranks",
+        why="reads the expert number after `.weight` (grouped-GEMM names): int('') for local_experts.<N>",
+        snippets=("global_expert_number = int(self.megatron_param.split(key)[-1])",),
+        make=_sequential_expert_export,
+    ),
+    Patch(
+        name="sequential-expert-numbers", area="conversion", scope="conversion",
+        module="megatron.bridge.models.conversion.model_bridge", attr="_megatron_local_name_to_global",
+        upstream="megatron/bridge/models/conversion/model_bridge.py _megatron_local_name_to_global",
+        why="globalizes grouped-GEMM expert numbers only: with --ep 2 rank 1's expert 0 would be HF expert 0",
+        snippets=('if ".mlp.experts.linear_fc" in param_name and get_pg_size(ep_group) > 1',),
+        make=_global_sequential_expert_numbers,
+    ),
+)
