@@ -130,13 +130,13 @@ def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
 def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
 
-    from bridge_ext.patches.adapters import check_optimizer_fields
     from bridge_ext.muon import apply_preset
+    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
 
     preset = recipe.preset
-    check_optimizer_fields(preset.name, preset.optimizer)
+    fields = installed_optimizer_fields(preset.name, preset.optimizer)  # the installed release's names
     bf16 = isinstance(cfg.mixed_precision, str) and cfg.mixed_precision.startswith("bf16")
-    cfg.optimizer = OptimizerConfig(**preset.optimizer, bf16=bf16, fp16=False)
+    cfg.optimizer = OptimizerConfig(**fields, bf16=bf16, fp16=False)
     cfg.scheduler = SchedulerConfig(**preset.scheduler)
     for key, value in preset.ddp.items():
         setattr(cfg.ddp, key, value)

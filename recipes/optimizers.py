@@ -2,8 +2,10 @@
 
 megatron-core's Muon defaults differ between its ``OptimizerConfig`` (Nesterov off), its CLI and its
 classes, and Megatron Bridge's helper differs again, so a preset never leaves a ``muon_*`` field to a
-default. Values are plain data (no torch import): ``nemo llm info`` prints them, ``bridge_ext.build``
-applies them to Megatron Bridge's ``OptimizerConfig`` / ``SchedulerConfig`` / DDP config.
+default. Field names are megatron-core 0.19's (one vocabulary for every stack);
+``bridge_ext.patches.optimizer_fields`` gives them the installed release's names. Values are plain data
+(no torch import): ``nemo llm info`` prints them, ``bridge_ext.build`` applies them to Megatron Bridge's
+``OptimizerConfig`` / ``SchedulerConfig`` / DDP config.
 
 Adding a preset: one ``OptimizerPreset`` (usually ``derive(...)`` of an existing one) in ``PRESETS``.
 """
@@ -111,14 +113,19 @@ NVIDIA_PERF = OptimizerPreset(
         **_COMMON_OPTIMIZER,
         "optimizer": "dist_muon",  # layer-wise distributed Muon: whole matrices per DP rank
         "muon_momentum": 0.95,
-        "muon_use_nesterov": True,  # megatron-core's OptimizerConfig default is False
+        "muon_nesterov": True,  # megatron-core's OptimizerConfig default is False
         "muon_scale_mode": "spectral",
         "muon_extra_scale_factor": 1.0,
         "muon_num_ns_steps": 5,
         "muon_fp32_matmul_prec": "medium",
-        "muon_tp_mode": "blockwise",
+        "muon_coefficient_type": "quintic",  # what megatron-core 0.16 (NVIDIA's benchmark) builds Muon with
+        "muon_tp_mode": "blockwise",  # megatron-core main moves the default to "duplicated"
         "muon_split_qkv": True,
+        "muon_scalar_optimizer": "adam",  # norms, embeddings, output layer
         "use_distributed_optimizer": False,  # layer-wise Muon cannot share params with the byte-sharded one
+        # Layer-wise comes from the name "dist_muon" on every release (0.18+ maps it to "muon" + this field):
+        # False keeps `optimizer.optimizer=muon` unsharded everywhere, as on releases without the field.
+        "use_layer_wise_distributed_optimizer": False,
         # The helper leaves OptimizerConfig's Adam default for the parameters Muon does not take.
         "adam_beta2": 0.999,
     },
@@ -161,14 +168,17 @@ MOONLIGHT = OptimizerPreset(
         "optimizer": "dist_muon",  # layer-wise distributed: the same update as "muon", whole matrices per rank
         "weight_decay": 0.1,
         "muon_momentum": 0.95,
-        "muon_use_nesterov": True,
+        "muon_nesterov": True,
         "muon_scale_mode": "spectral",  # sqrt(max(rows, cols))
         "muon_extra_scale_factor": 0.2,  # x 0.2: update RMS ~ AdamW's
         "muon_num_ns_steps": 5,
         "muon_fp32_matmul_prec": "medium",  # NS in bf16, as Keller Jordan's reference
+        "muon_coefficient_type": "simple",  # Keller Jordan's (3.4445, -4.7750, 2.0315); = ns_coefficients
         "muon_tp_mode": "blockwise",
         "muon_split_qkv": True,  # Q, K, V orthogonalized separately (per query group)
+        "muon_scalar_optimizer": "adam",  # AdamW for everything that is not a hidden matrix
         "use_distributed_optimizer": False,
+        "use_layer_wise_distributed_optimizer": False,  # layer-wise from the name, as nvidia_perf
     },
     scheduler={
         **_COMMON_SCHEDULER,

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from bridge_ext.build import benchmark_only_fields, build_config, validate_for_layout
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
+from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
 from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
 from tests.stack_shapes import config_differences, stack_differences
 
@@ -45,7 +46,8 @@ def test_recipe_builds_offline_and_validates_on_every_layout(name):
         for dotted, value in recipe.overrides.items():
             section, key = dotted.split(".")
             assert getattr(getattr(checked, section), key) == value
-        for key, value in recipe.preset.optimizer.items():  # what `info` prints is what trains
+        preset = recipe.preset  # what `info` prints is what trains, under the installed release's names
+        for key, value in installed_optimizer_fields(preset.name, preset.optimizer).items():
             expected = recipe.overrides.get(f"optimizer.{key}", value)
             assert getattr(checked.optimizer, key) == expected, key
         assert checked.ddp.use_distributed_optimizer is recipe.preset.ddp["use_distributed_optimizer"]

@@ -61,9 +61,10 @@ def test_info_json_for_qwen3_8b(capsys):
     assert abs(info["params_total"] / 8.2e9 - 1) < 0.01 and info["params_active"] == info["params_total"]
     assert info["optimizer"]["preset"] == "moonlight" and info["optimizer"]["ns_coefficients"] == "simple"
     assert info["optimizer"]["muon_extra_scale_factor"] == 0.2 and info["optimizer"]["weight_decay"] == 0.1
-    assert {k for k in info["optimizer"] if k.startswith("muon_")} == {
-        "muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
-        "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor"}
+    assert {k for k in info["optimizer"] if k.startswith("muon_")} == {  # megatron-core 0.19's names, every stack
+        "muon_momentum", "muon_split_qkv", "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
+        "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor",
+        "muon_scalar_optimizer"}
     assert info["layout"] == {"name": "h100x8", "tp": 4, "pp": 1, "vp": None, "ep": 1, "etp": 1, "cp": 1,
                               "dp": 2, "gpus": 8}
     assert (info["micro_batch_size"], info["global_batch_size"], info["seq_length"]) == (1, 256, 4096)

@@ -24,7 +24,8 @@ def test_moonlight_fields_are_pinned():
     p = PRESETS["moonlight"]
     assert p.kind == "muon" and p.ns_coefficients == "simple"
     o = p.optimizer
-    assert (o["muon_momentum"], o["muon_use_nesterov"], o["muon_num_ns_steps"]) == (0.95, True, 5)
+    assert (o["muon_momentum"], o["muon_nesterov"], o["muon_num_ns_steps"]) == (0.95, True, 5)
+    assert o["muon_coefficient_type"] == p.ns_coefficients  # the field (megatron-core 0.17+) and the 0.16 install
     assert (o["muon_scale_mode"], o["muon_extra_scale_factor"]) == ("spectral", 0.2)
     assert (o["adam_beta1"], o["adam_beta2"], o["weight_decay"], o["decoupled_weight_decay"]) == (0.9, 0.95, 0.1, True)
     assert o["lr"] == PRESETS["adamw"].optimizer["lr"] and o["min_lr"] == PRESETS["adamw"].optimizer["min_lr"]
@@ -52,8 +53,11 @@ def test_kimi_k2_fields_are_pinned():
 
 @pytest.mark.parametrize("name", MUON_PRESETS)
 def test_every_installed_muon_field_is_set(name):
-    fields = PRESETS[name].muon_fields
-    assert set(fields) == set(optimizer_muon_fields()), set(optimizer_muon_fields()) ^ set(fields)
+    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+
+    preset = PRESETS[name]
+    fields = {k for k in installed_optimizer_fields(preset.name, preset.optimizer) if k.startswith("muon_")}
+    assert fields == set(optimizer_muon_fields()), set(optimizer_muon_fields()) ^ fields
 
 
 @pytest.mark.parametrize("name", MUON_PRESETS)
@@ -62,8 +66,10 @@ def test_preset_fields_exist_upstream(name):
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+
     p = PRESETS[name]
-    OptimizerConfig(**p.optimizer)
+    OptimizerConfig(**installed_optimizer_fields(p.name, p.optimizer))  # under the installed release's names
     SchedulerConfig(**p.scheduler)
     names = {f.name for f in dataclasses.fields(MLATransformerConfig)}
     assert set(p.model) <= names
@@ -244,6 +250,8 @@ def _run_optimizer(cfg, model, name, grads, *, precision, coefficients):
     install_ns_coefficients(coefficients)
     opt_cfg = copy.deepcopy(cfg.optimizer)
     opt_cfg.muon_fp32_matmul_prec = precision
+    if hasattr(opt_cfg, "muon_coefficient_type"):  # megatron-core 0.17+ passes it explicitly: it decides there
+        opt_cfg.muon_coefficient_type = coefficients
     params = dict(model[0].named_parameters())
     param = params[name]
     w0 = param.detach().clone()

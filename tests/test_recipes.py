@@ -148,7 +148,8 @@ def test_default_presets():
 def test_nvidia_perf_is_the_benchmarked_configuration():
     preset = PRESETS["nvidia_perf"]
     assert preset.optimizer["optimizer"] == "dist_muon"
-    assert preset.muon_fields["muon_use_nesterov"] is True  # megatron-core's default is False
+    assert preset.muon_fields["muon_nesterov"] is True  # megatron-core's default is False
+    assert preset.muon_fields["muon_coefficient_type"] == preset.ns_coefficients == "quintic"  # what it ran on 0.16
     assert (preset.muon_fields["muon_momentum"], preset.muon_fields["muon_num_ns_steps"]) == (0.95, 5)
     assert preset.muon_fields["muon_scale_mode"] == "spectral"
     assert preset.ddp["use_distributed_optimizer"] is False

@@ -33,26 +33,47 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it. This wraps
     ``TensorParallelMuon.__init__`` so that an unspecified ``coefficient_type`` is ours. Idempotent; an
     explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's (3.4445, -4.7750, 2.0315).
+    megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type`` explicitly: there the
+    preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``), and this default
+    is never used. The wrapper keeps the class's signature (0.18+ builds Muon's keyword arguments from it).
     """
     global _ns_coefficients
+    import functools
+
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
-    from megatron.core.optimizer import muon
 
     if coefficient_type not in _COEFFICIENT_SETS:
         raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
                         f"emerging-optimizers has: {', '.join(_COEFFICIENT_SETS)}")
     _ns_coefficients = coefficient_type
-    cls = muon.TensorParallelMuon
+    cls = _tensor_parallel_muon()
     if getattr(cls.__init__, "_bridge_ext_ns", False):
         return
     original = cls.__init__
 
+    @functools.wraps(original)  # inspect.signature() sees upstream's parameters through __wrapped__
     def __init__(self, *args: Any, coefficient_type: str | None = None, **kwargs: Any) -> None:
         original(self, *args, coefficient_type=coefficient_type or _ns_coefficients, **kwargs)
-        self.coefficient_type = coefficient_type or _ns_coefficients  # for telemetry and tests
+        self.coefficient_type = coefficient_type or _ns_coefficients  # what it runs: for telemetry and tests
 
     __init__._bridge_ext_ns = True  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _tensor_parallel_muon() -> type:
+    """megatron-core's ``TensorParallelMuon``: ``optimizer/emerging_optimizers.py`` (0.18+) or ``optimizer/muon.py``."""
+    import importlib
+    import importlib.util
+
+    for name in ("megatron.core.optimizer.emerging_optimizers", "megatron.core.optimizer.muon"):
+        if importlib.util.find_spec(name) is not None:
+            cls = getattr(importlib.import_module(name), "TensorParallelMuon", None)
+            if cls is not None:
+                return cls
+    from bridge_ext.stack import UpstreamDrift, package_of
+
+    raise UpstreamDrift(f"{package_of('megatron.core')}: no TensorParallelMuon in megatron.core.optimizer's "
+                        "emerging_optimizers or muon module; bridge_ext.muon.presets needs updating")
 
 
 def installed_ns_coefficients() -> str:
@@ -77,7 +98,8 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
     if runtime and preset.kind == "muon":
         from bridge_ext.muon_split import install_gate_up_split
 
-        install_ns_coefficients(getattr(preset, "ns_coefficients", "quintic"))
+        # the preset's field (megatron-core 0.16 has none: this is how its set gets there)
+        install_ns_coefficients(preset.optimizer.get("muon_coefficient_type", preset.ns_coefficients))
         install_gate_up_split(getattr(preset, "split_gate_up", False))
         install_muon_clip()
 
