@@ -195,6 +195,49 @@ def test_reference_presets_are_what_the_papers_state():
     assert (k2["num_layers"], k2["hidden_size"], k2["num_moe_experts"], k2["moe_router_topk"]) == (61, 7168, 384, 8)
 
 
+# OptimizerConfig's Muon-related fields in each release, read from its optimizer/optimizer_config.py (0.16.0,
+# 0.17.1, 0.18.2, 0.19.0, 0.19.2; 0.18.2 and 0.19.x alike), plus the fields every release has that presets set
+RELEASE_0_16 = {"muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
+                "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor"}
+RELEASE_0_17 = RELEASE_0_16 | {"muon_coefficient_type", "muon_scalar_optimizer"}
+RELEASE_0_19 = (RELEASE_0_17 - {"muon_use_nesterov"}) | {"muon_nesterov", "use_layer_wise_distributed_optimizer"}
+EVERY_RELEASE = {"optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
+                 "decoupled_weight_decay", "use_distributed_optimizer"}
+
+
+@pytest.mark.parametrize("release", [RELEASE_0_16, RELEASE_0_17, RELEASE_0_19], ids=["0.16", "0.17", "0.19"])
+@pytest.mark.parametrize("preset_name", ["nvidia_perf", "moonlight", "kimi_k2"])
+def test_translation_to_each_release_pins_every_muon_field(preset_name, release):
+    """Each release gets every Muon field it has, with the preset's value, and nothing it lacks."""
+    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from recipes.optimizers import PRESETS
+
+    preset = PRESETS[preset_name]
+    fields = installed_optimizer_fields(preset_name, preset.optimizer, available=frozenset(release | EVERY_RELEASE))
+    assert {k for k in fields if k.startswith("muon_")} == {k for k in release if k.startswith("muon_")}
+    nesterov = "muon_nesterov" if "muon_nesterov" in release else "muon_use_nesterov"
+    assert fields[nesterov] is True and fields["optimizer"] == "dist_muon"
+    if "muon_coefficient_type" in release:  # megatron-core passes it to TensorParallelMuon: the preset's set
+        assert fields["muon_coefficient_type"] == preset.ns_coefficients
+
+
+def test_a_setting_a_release_cannot_run_is_refused_in_one_line():
+    from bridge_ext.errors import UserError
+    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+
+    available = frozenset(RELEASE_0_16 | EVERY_RELEASE)
+    with pytest.raises(UserError) as lion:
+        installed_optimizer_fields("lion_muon", {"muon_scalar_optimizer": "lion"}, available=available)
+    with pytest.raises(UserError) as layer_wise:
+        installed_optimizer_fields("lw", {"use_layer_wise_distributed_optimizer": True}, available=available)
+    for error, what in ((lion, "muon_scalar_optimizer='lion'"), (layer_wise, "use_layer_wise_distributed_optimizer")):
+        text = str(error.value)
+        assert "\n" not in text and what in text and "megatron-core" in text, text
+    assert "optimizer preset 'lion_muon'" in str(lion.value) and "always runs 'adam'" in str(lion.value)
+    with pytest.raises(UserError, match="muon_no_such_field"):
+        installed_optimizer_fields("x", {"muon_no_such_field": 1}, available=available)
+
+
 def test_the_name_list_is_the_adapters():
     """The explicit lists here and the adapter's translation say the same (the adapter is what builds)."""
     from bridge_ext.patches.optimizer_fields import RENAMED, WHERE_ABSENT as ADAPTER_ABSENT
