@@ -26,11 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 # The capability-decided patches (those with a needed() check) that apply on each lock, found by hand
 # (megatron-core 0.16's Muon calls vs the installed emerging-optimizers' signatures; the PyPI megatron-core wheel
 # ships no datasets Makefile). The others apply wherever their scope is used (CPU mode's in CPU mode).
+# megatron-core 0.16-0.17 define TensorParallelMuon in optimizer/muon.py (0.18+: optimizer/emerging_optimizers.py)
+MUON_IN_OPTIMIZER_MUON_PY = {"muon-ns-coefficients", "muon-gate-up-split"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
-                         "checkpoint-writer-dies-with-trainer"},
+                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY},
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
-    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer"},
+    ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
+                         *MUON_IN_OPTIMIZER_MUON_PY},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}

@@ -95,29 +95,13 @@ __all__ += ["muon_without_adam_part"]
 
 
 def muon_without_adam_part() -> None:
-    """Muon over LoRA adapters: drop the empty Adam part megatron-core chains in.
+    """Muon over LoRA adapters: drop the empty Adam part megatron-core chains in (the ``muon-lora-no-empty-adam``
+    patch, ``bridge_ext.patches.optimizer``; process-wide, idempotent).
 
     ``megatron/core/optimizer/muon.py`` ``get_megatron_muon_optimizer`` (0.16) always chains the Adam optimizer
     of the non-matrix parameters; when every trainable parameter is a matrix (LoRA: only the adapters' A and B
-    train) that part wraps ``None`` and the first checkpoint save fails in its ``state_dict``. Wraps Megatron
-    Bridge's reference to the function (``training/optim.py``) so that the returned optimizer chains only the
-    parts that hold parameters; process-wide, idempotent, a no-op when no part is empty.
+    train) that part wraps ``None`` and the first checkpoint save fails in its ``state_dict``.
     """
-    from megatron.bridge.training import optim
+    from bridge_ext import patches
 
-    if getattr(optim.get_megatron_muon_optimizer, "_bridge_ext_no_empty_part", False):
-        return
-    build = optim.get_megatron_muon_optimizer
-
-    def get_megatron_muon_optimizer(*args: Any, **kwargs: Any) -> Any:
-        optimizer = build(*args, **kwargs)
-        parts = getattr(optimizer, "chained_optimizers", None)
-        if parts and any(getattr(p, "optimizer", p) is None for p in parts):
-            optimizer.chained_optimizers = [p for p in parts if getattr(p, "optimizer", p) is not None]
-        return optimizer
-
-    get_megatron_muon_optimizer._bridge_ext_no_empty_part = True  # type: ignore[attr-defined]
-    for name in ("_bridge_ext_gate_up",):  # keep the markers of wrappers installed before this one
-        if getattr(build, name, False):
-            setattr(get_megatron_muon_optimizer, name, True)
-    optim.get_megatron_muon_optimizer = get_megatron_muon_optimizer
+    patches.apply("lora-muon")

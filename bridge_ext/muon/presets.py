@@ -22,63 +22,39 @@ __all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "instal
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
 
-_ns_coefficients: str = "quintic"  # what TensorParallelMuon uses when nothing is installed (0.16 default)
-
-
 def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     """Make every ``TensorParallelMuon`` built from now on use ``coefficient_type`` (process-wide).
 
     megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``) builds
     ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
-    (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it. This wraps
-    ``TensorParallelMuon.__init__`` so that an unspecified ``coefficient_type`` is ours. Idempotent; an
-    explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's (3.4445, -4.7750, 2.0315).
-    megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type`` explicitly: there the
-    preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``), and this default
-    is never used. The wrapper keeps the class's signature (0.18+ builds Muon's keyword arguments from it).
+    (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the
+    ``muon-ns-coefficients`` patch (``bridge_ext.patches.optimizer``) makes an unspecified ``coefficient_type``
+    this one. Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
+    (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type``
+    explicitly: there the preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``),
+    and this default is never used.
     """
-    global _ns_coefficients
-    import functools
-
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
+
+    from bridge_ext import patches
+    from bridge_ext.patches.optimizer import MUON, NS_COEFFICIENTS
 
     if coefficient_type not in _COEFFICIENT_SETS:
         raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
                         f"emerging-optimizers has: {', '.join(_COEFFICIENT_SETS)}")
-    _ns_coefficients = coefficient_type
-    cls = _tensor_parallel_muon()
-    if getattr(cls.__init__, "_bridge_ext_ns", False):
-        return
-    original = cls.__init__
+    MUON.ns_coefficients = coefficient_type
+    if not patches.apply("muon", only=NS_COEFFICIENTS):
+        from bridge_ext.stack import UpstreamDrift, package_of
 
-    @functools.wraps(original)  # inspect.signature() sees upstream's parameters through __wrapped__
-    def __init__(self, *args: Any, coefficient_type: str | None = None, **kwargs: Any) -> None:
-        original(self, *args, coefficient_type=coefficient_type or _ns_coefficients, **kwargs)
-        self.coefficient_type = coefficient_type or _ns_coefficients  # what it runs: for telemetry and tests
-
-    __init__._bridge_ext_ns = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
-
-
-def _tensor_parallel_muon() -> type:
-    """megatron-core's ``TensorParallelMuon``: ``optimizer/emerging_optimizers.py`` (0.18+) or ``optimizer/muon.py``."""
-    import importlib
-    import importlib.util
-
-    for name in ("megatron.core.optimizer.emerging_optimizers", "megatron.core.optimizer.muon"):
-        if importlib.util.find_spec(name) is not None:
-            cls = getattr(importlib.import_module(name), "TensorParallelMuon", None)
-            if cls is not None:
-                return cls
-    from bridge_ext.stack import UpstreamDrift, package_of
-
-    raise UpstreamDrift(f"{package_of('megatron.core')}: no TensorParallelMuon in megatron.core.optimizer's "
-                        "emerging_optimizers or muon module; bridge_ext.muon.presets needs updating")
+        raise UpstreamDrift(f"{package_of('megatron.core')}: no TensorParallelMuon in megatron.core.optimizer's "
+                            "muon or emerging_optimizers module; bridge_ext.patches.optimizer needs updating")
 
 
 def installed_ns_coefficients() -> str:
     """The coefficient set ``TensorParallelMuon`` gets when none is passed."""
-    return _ns_coefficients
+    from bridge_ext.patches.optimizer import MUON
+
+    return MUON.ns_coefficients
 
 
 def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> None:
