@@ -146,7 +146,7 @@ def test_cli_bad_input_is_one_line_exit_2_and_fast(tmp_path):
 
 @pytest.mark.once
 def test_convert_package_parts_import_without_cycles():
-    """The parts of bridge_ext/convert/ form a DAG (tests/test_compat.py checks the package among bridge_ext's
+    """The parts of bridge_ext/convert/ form a DAG (tests/test_patches.py checks the package among bridge_ext's
     modules) and none is a file over ~500 lines."""
     import ast
 

@@ -1,4 +1,4 @@
-"""The layering rules, read from the source by AST (like the acyclic-import test in tests/test_compat.py).
+"""The layering rules, read from the source by AST (like the acyclic-import test in tests/test_patches.py).
 
 - ``recipes/`` (pure data) imports nothing from ``bridge_ext``, at any depth (function-level imports too);
 - no module of ours imports a private name (leading underscore) of another of our modules, by

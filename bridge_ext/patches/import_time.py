@@ -129,7 +129,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="peft-have-te", area="import", scope="lora",
         module=_PEFT_UTILS, attr="HAVE_TE",
-        upstream="megatron/bridge/peft/utils.py HAVE_TE = safe_import_from(megatron.core.extensions.transformer_engine)",
+        upstream="megatron/bridge/peft/utils.py HAVE_TE (safe_import_from megatron.core.extensions.transformer_engine)",
         why="without TE megatron-core binds mocks there, HAVE_TE is True and isinstance(m, <mock>) raises TypeError",
         when="Transformer Engine is not installed and peft/utils.py's TE names are not classes",
         needed=_peft_flag_wrong,

@@ -38,8 +38,8 @@ from bridge_ext.attention_logits import attentions
 from bridge_ext.patches.core import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, package_of, signature_params
 
-__all__ = ["GATE_UP_PATTERN", "GATE_UP_SPLIT", "MUON", "MUON_CLIP", "NS_COEFFICIENTS", "PATCHES", "MuonRunTime", "clip_qk",
-           "mark_gate_up_params", "renamed_kwarg"]
+__all__ = ["GATE_UP_PATTERN", "GATE_UP_SPLIT", "MUON", "MUON_CLIP", "NS_COEFFICIENTS", "PATCHES", "MuonRunTime",
+           "clip_qk", "mark_gate_up_params", "renamed_kwarg"]
 
 _MUON = "megatron.core.optimizer.muon"
 
@@ -228,11 +228,15 @@ def _without_empty_parts(build: Callable) -> Callable:
 
 _OPTIM = "megatron.bridge.training.optim"
 
+
+def _per_home(name: str) -> tuple[str, ...]:
+    """One patch name per home of TensorParallelMuon: ``name``, ``name (emerging_optimizers)``."""
+    return tuple(name + ("" if home == _MUON else f" ({home.rsplit('.', 1)[1]})") for home in _TPM_HOMES)
+
+
 # The muon-scope patches by job, for ``apply("muon", only=...)``.
-NS_COEFFICIENTS = tuple("muon-ns-coefficients" + ("" if home == _MUON else f" ({home.rsplit('.', 1)[1]})")
-                        for home in _TPM_HOMES)
-GATE_UP_SPLIT = ("muon-gate-up-params",
-                 *("muon-gate-up-split" + ("" if home == _MUON else f" ({home.rsplit('.', 1)[1]})") for home in _TPM_HOMES))
+NS_COEFFICIENTS = _per_home("muon-ns-coefficients")
+GATE_UP_SPLIT = ("muon-gate-up-params", *_per_home("muon-gate-up-split"))
 MUON_CLIP = ("muon-clip-any-wrapper",)
 
 
@@ -260,7 +264,7 @@ PATCHES: tuple[Patch, ...] = (
     *(Patch(
         name=name,
         area="optimizer", scope="muon", module=home, attr="TensorParallelMuon.__init__",
-        upstream="megatron/core/optimizer/muon.py get_megatron_muon_optimizer: TensorParallelMuon(...) without "
+        upstream=f"{home.replace('.', '/')}.py TensorParallelMuon, built by get_megatron_muon_optimizer without "
                  "coefficient_type",
         why="the preset's Newton-Schulz coefficients (e.g. Keller Jordan's 'simple') instead of the class default "
             "'quintic' where nothing passes one (an explicit coefficient_type= still wins)",
@@ -282,7 +286,7 @@ PATCHES: tuple[Patch, ...] = (
     *(Patch(
         name=name,
         area="optimizer", scope="muon", module=home, attr="TensorParallelMuon.orthogonalize",
-        upstream="megatron/core/optimizer/muon.py TensorParallelMuon.orthogonalize: linear_fc1 as one matrix",
+        upstream=f"{home.replace('.', '/')}.py TensorParallelMuon.orthogonalize: linear_fc1 as one matrix",
         why="Moonlight's Muon orthogonalizes gate_proj and up_proj apart, each scaled by its own shape; "
             "megatron-core stores them as one [gate; up] matrix (off unless the preset splits them)",
         when=f"a Muon preset is installed; TensorParallelMuon is defined in {home}",
