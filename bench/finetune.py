@@ -25,7 +25,7 @@ RECIPES = ("sft_muon", "sft_adamw", "lora_muon", "lora_adamw")
 
 
 def nemo(*argv: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "bridge_ext.cli", "llm", *argv], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "bridge_ext.commands", "llm", *argv], cwd=ROOT, capture_output=True,
                             text=True)
     if result.returncode:
         sys.exit(f"nemo llm {' '.join(argv)} failed:\n{result.stderr[-2000:]}")

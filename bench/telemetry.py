@@ -64,15 +64,13 @@ def _run(recipe_name: str, *, telemetry: bool, iters: int, device: str) -> tuple
     from megatron.bridge.training.pretrain import pretrain
 
     from bridge_ext import training
-    from bridge_ext.build import build_config, resolve_for_run
+    from bridge_ext.build import build_config
     from bridge_ext.cpu_mode import init_single_process_distributed, reset_megatron_globals
     from recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
-    cfg = build_config(recipe)
-    cfg.train.train_iters = iters
+    cfg = build_config(recipe, values={"train.train_iters": iters})
     cfg.checkpoint.save = cfg.checkpoint.load = cfg.logger.tensorboard_dir = None
-    resolve_for_run(cfg, recipe)
     log_interval = cfg.logger.log_interval
     prepared = training.prepare(recipe, cfg, device=device, data="mock", quiet=True, telemetry=telemetry)
     for callback in prepared.callbacks:

@@ -1,4 +1,9 @@
-"""Recipe -> Megatron Bridge ``ConfigContainer``.
+"""Recipe -> Megatron Bridge ``ConfigContainer``: the one pipeline of pre-training and fine-tuning.
+
+:func:`template` (Megatron Bridge's template for the recipe's task: pretrain, sft or lora, with the recipe's
+model, layout and optimizer preset) -> the recipe's own overrides -> ``--yaml`` -> ``key=value`` overrides ->
+what follows from them (:func:`derived_values`: the token budget's iterations, the preset's schedule fractions),
+derived once for the values nobody set -> :func:`validate_for_layout`. :func:`resolve` is the whole of it.
 
 The model comes from the recipe's shipped HF ``config.json`` through ``AutoBridge`` (no hub id, no
 weights); the base template, optimizer and scheduler configs are Megatron Bridge's own classes.
@@ -8,7 +13,10 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext import patches
 from bridge_ext.errors import UserError
@@ -19,8 +27,11 @@ if TYPE_CHECKING:
 
     from recipes import Layout, Recipe
 
-__all__ = ["benchmark_only_fields", "build_config", "megatron_warnings_once", "model_provider", "quiet_megatron",
-           "resolve_for_run", "validate_for_layout"]
+__all__ = ["Resolved", "Task", "benchmark_only_fields", "build_config", "derived_values", "megatron_warnings_once",
+           "model_provider", "quiet_megatron", "resolve", "resolve_for_run", "task_of", "template",
+           "validate_for_layout"]
+
+Task = Literal["pretrain", "sft", "lora"]
 
 OUTPUT_ROOT = "nemo_experiments"  # relative, so resolved YAML is the same on every machine
 
@@ -128,9 +139,10 @@ def _apply_layout(cfg: ConfigContainer, layout: Layout) -> None:
 
 
 def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
+    """The preset's optimizer, scheduler, DDP and model fields: recipe values, which overrides may change."""
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
 
-    from bridge_ext.muon import apply_preset
+    from bridge_ext.muon.presets import apply_preset
     from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
 
     preset = recipe.preset
@@ -140,66 +152,140 @@ def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     cfg.scheduler = SchedulerConfig(**preset.scheduler)
     for key, value in preset.ddp.items():
         setattr(cfg.ddp, key, value)
-    apply_preset(cfg, preset, runtime=False)  # QK-clip and other model-level fields
+    apply_preset(cfg, preset, runtime=False)  # QK-clip and other model-level fields (run-time parts: training.py)
 
 
-def resolve_for_run(cfg: ConfigContainer, recipe: Recipe) -> None:
-    """What must follow every override: the token budget and schedule fractions become iteration counts."""
-    from bridge_ext.muon import resolve_schedule
-
-    _resolve_train_iters(cfg, recipe)
-    resolve_schedule(cfg, recipe.preset)
+def task_of(recipe: Recipe) -> Task:
+    """``pretrain`` for ``recipes.Recipe``, the fine-tuning recipe's mode (``sft``, ``lora``) otherwise."""
+    return getattr(recipe, "mode", "pretrain")
 
 
-def _resolve_train_iters(cfg: ConfigContainer, recipe: Recipe) -> None:
-    """A model with a published token budget trains it at the current batch and sequence length.
-
-    Recomputes only the value it set itself (``build_config``): an explicit ``train.train_iters`` wins.
-    """
-    from recipes.budget import iters_for_tokens
-
-    tokens, t = recipe.model.pretrain_tokens, cfg.train
-    ours = getattr(t, "_bridge_ext_budget_iters", None)
-    if tokens and ours is not None and t.train_iters == ours and t.global_batch_size and cfg.model.seq_length:
-        t.train_iters = iters_for_tokens(tokens, t.global_batch_size * cfg.model.seq_length)
-        t._bridge_ext_budget_iters = t.train_iters
-
-
-def build_config(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
-    """The recipe's full ``ConfigContainer`` on the named layout (default: the recipe's first)."""
-    from bridge_ext.patches.adapters import pretrain_template
+def template(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
+    """The recipe's values on Megatron Bridge's template for its task, before any override and with nothing
+    derived: ``pretrain`` (``_pretrain_common``), ``sft`` (``_sft_common``) or ``lora`` (``_peft_common``),
+    the model from the shipped HF config, the layout, the optimizer preset, the run's directories."""
+    from bridge_ext.patches.adapters import finetune_template, pretrain_template
 
     chosen = recipe.layout(layout)
     problems = chosen.problems(recipe.model.num_layers)
     if problems:
         raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
-
-    cfg = pretrain_template()
+    task = task_of(recipe)
+    cfg = pretrain_template() if task == "pretrain" else finetune_template(task)
     cfg.model = model_provider(recipe)
+    if task != "pretrain":
+        from bridge_ext.finetune.build import finetune_dataset
+
+        cfg.dataset = finetune_dataset(recipe, chosen)
     _apply_layout(cfg, chosen)
     _apply_preset(cfg, recipe)
-    cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else MB's template length
-    if recipe.model.pretrain_tokens and "train.train_iters" not in recipe.overrides:
-        cfg.train._bridge_ext_budget_iters = cfg.train.train_iters  # resolve_for_run may rescale it
+    cfg.train.train_iters = recipe.train_iters(chosen)  # the model's token budget, else the template's length
+    if task == "pretrain":
+        # Mock data by default: NullTokenizer over the model's vocabulary. Real data: set dataset.blend and
+        # the tokenizer (see docs/recipes.md).
+        cfg.tokenizer.tokenizer_type = "NullTokenizer"
+        cfg.tokenizer.tokenizer_model = None
+        cfg.tokenizer.vocab_size = cfg.model.vocab_size
+    else:
+        from bridge_ext.finetune.build import finetune_tokenizer_dir, lora_config
 
-    # Mock data by default: NullTokenizer over the model's vocabulary. Real data: set dataset.blend and
-    # the tokenizer (see docs/recipes.md).
-    cfg.tokenizer.tokenizer_type = "NullTokenizer"
-    cfg.tokenizer.tokenizer_model = None
-    cfg.tokenizer.vocab_size = cfg.model.vocab_size
+        cfg.peft = lora_config(recipe)
+        cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.tokenizer.tokenizer_model = finetune_tokenizer_dir(recipe)
     run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
     cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
+    if task != "pretrain":
+        cfg.checkpoint.pretrained_checkpoint = None  # --hf DIR or checkpoint.pretrained_checkpoint=DIR
     # Slurm (time limit, preemption) and torchrun send SIGTERM before SIGKILL: save, then exit 0. The data
     # loader workers must survive that signal too, or their death ends the trainer before it saves.
     cfg.train.exit_signal_handler = True
     cfg.train.exit_signal_handler_for_dataloader = True
     cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
+    return cfg
+
+
+def derived_values(cfg: ConfigContainer, recipe: Recipe, *, explicit: Collection[str] = ()) -> dict[str, Any]:
+    """What follows from the other values (dotted key -> value), for what ``explicit`` and the recipe leave unset.
+
+    Pre-training a model with a published token budget trains it at the config's batch and sequence length
+    (``train.train_iters``); the preset's schedule fractions become iteration counts
+    (``bridge_ext.muon.presets.schedule_values``). Reads ``cfg``, changes nothing.
+    """
+    from bridge_ext.muon.presets import schedule_values
+    from recipes.budget import iters_for_tokens
+
+    explicit = {*recipe.overrides, *explicit}
+    out: dict[str, Any] = {}
+    tokens, t = recipe.model.pretrain_tokens, cfg.train
+    if (task_of(recipe) == "pretrain" and tokens and "train.train_iters" not in explicit and t.global_batch_size
+            and cfg.model.seq_length):
+        out["train.train_iters"] = iters_for_tokens(tokens, t.global_batch_size * cfg.model.seq_length)
+    train_iters = out.get("train.train_iters", t.train_iters)
+    out.update(schedule_values(cfg.scheduler, recipe.preset, train_iters=train_iters, explicit=explicit))
+    return out
+
+
+def resolve_for_run(cfg: ConfigContainer, recipe: Recipe, *, explicit: Collection[str] = ()) -> dict[str, Any]:
+    """Set :func:`derived_values` on ``cfg``, once, after every override; returns them.
+
+    ``explicit``: the dotted keys the user set (``--yaml``, ``key=value``); the recipe's own overrides count too.
+    """
     from bridge_ext.overrides import set_dotted
 
+    values = derived_values(cfg, recipe, explicit=explicit)
+    for dotted, value in values.items():
+        set_dotted(cfg, dotted, value)
+    return values
+
+
+def build_config(recipe: Recipe, *, layout: str | None = None, yaml_path: str | Path | None = None,
+                 overrides: Sequence[str] = (), values: Mapping[str, Any] | None = None) -> ConfigContainer:
+    """The recipe's full ``ConfigContainer`` on the named layout (default: the recipe's first), one pass:
+
+    template (:func:`template`) -> the recipe's own overrides -> ``yaml_path`` -> ``overrides`` (``a.b=value``)
+    -> ``values`` (dotted key -> value, from code) -> what follows from them (:func:`resolve_for_run`).
+    Every value set on the way is explicit; only the others are derived.
+    """
+    from bridge_ext.overrides import apply_user_overrides, set_dotted
+
+    cfg = template(recipe, layout=layout)
     for dotted, value in recipe.overrides.items():
         set_dotted(cfg, dotted, value)
-    resolve_for_run(cfg, recipe)
+    explicit: set[str] = set()
+    if yaml_path is not None or overrides:
+        explicit |= apply_user_overrides(cfg, yaml_path=yaml_path, overrides=list(overrides),
+                                         derived=derived_values(cfg, recipe))
+    for dotted, value in (values or {}).items():
+        set_dotted(cfg, dotted, value)
+        explicit.add(dotted)
+    resolve_for_run(cfg, recipe, explicit=explicit)
     return cfg
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A recipe resolved for a run: the config that trains and its copy validated for the run's ranks."""
+
+    recipe: Recipe
+    layout: Layout
+    cfg: ConfigContainer
+    checked: ConfigContainer  # validated (finalized) deep copy; data_parallel_size for the run's ranks
+
+
+def resolve(recipe: Recipe, *, layout: str | None = None, yaml_path: str | Path | None = None,
+            overrides: Sequence[str] = (), gpus: int | None = None, training: bool = False) -> Resolved:
+    """The pipeline of ``nemo llm pretrain`` and ``finetune``: :func:`build_config` (recipe -> ConfigContainer ->
+    YAML -> overrides -> derived values, once), then :func:`validate_for_layout` for ``gpus`` ranks (default: the
+    layout's). ``training``: Megatron's warnings stay visible (each once); otherwise they are silenced."""
+    if training:
+        megatron_warnings_once()
+    else:
+        quiet_megatron()
+    chosen = recipe.layout(layout)
+    cfg = build_config(recipe, layout=layout, yaml_path=yaml_path, overrides=overrides)
+    checked = validate_for_layout(cfg, gpus=gpus or chosen.gpus,
+                                  max_positions=recipe.model.hf_config.get("max_position_embeddings"))
+    return Resolved(recipe=recipe, layout=chosen, cfg=cfg, checked=checked)
 
 
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",

@@ -19,7 +19,7 @@ overrides: ``nemo llm compare qwen3_proxy_muon qwen3_proxy_adamw --out DIR``.
 Fine-tuning recipes (``recipes.finetune``: ``<model>_sft_*``, ``<model>_lora_*``) compare the same way, from
 one pretrained checkpoint (``checkpoint.pretrained_checkpoint=DIR``, applied to every run) on one instruction
 set (``--data FILE.jsonl`` or ``stdlib-signatures``, the default): each worker runs ``nemo llm finetune``'s own
-path (``bridge_ext.finetune.command.run_finetune``), the training records in the order of ``--seed``
+path (``bridge_ext.finetune.run.run_finetune``), the training records in the order of ``--seed``
 (``dataset.seed``), the same for every run. Besides the training loss, each run's loss on the held-out split
 (``eval.jsonl``, Megatron Bridge's validation ``lm loss`` at every ``train.eval_interval`` and after the last
 iteration; also in the run's TensorBoard log ``runs/<run>/tb``) is compared: ``eval.csv`` and the console's
@@ -28,7 +28,6 @@ held-out table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -43,7 +42,8 @@ from typing import Any
 
 from bridge_ext.errors import UserError, closest
 
-__all__ = ["Run", "RunResult", "iterations_to_reach", "register", "run_compare", "smooth", "summarize"]
+__all__ = ["DEFAULT_ITERS", "DEFAULT_SEED", "DEFAULT_SMOOTH", "Run", "RunResult", "iterations_to_reach", "parse_runs",
+           "run_compare", "smooth", "summarize"]
 
 DEFAULT_ITERS = 200
 DEFAULT_SEED = 1234
@@ -135,7 +135,8 @@ def is_finetune(recipe: Any) -> bool:
     return hasattr(recipe, "mode")  # recipes.finetune.FinetuneRecipe
 
 
-def _parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
+def parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
+    """The runs of ``--recipes A,B`` (``RECIPE:KEY=VALUE`` gives one run its own overrides) x every ``--sweep``."""
     RECIPES = _all_recipes()
 
     entries: list[tuple[str, list[str]]] = []  # (recipe, its own overrides)
@@ -208,11 +209,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def _configure(run: Run, *, iters: int, seed: int, data: str, common: list[str], quiet: bool):
     """The run's ``ConfigContainer``: recipe, common and per-run overrides, then data, budget and seed.
 
-    A fine-tuning recipe's data is not applied here (``bridge_ext.finetune.command.use_finetune_data`` renders
+    A fine-tuning recipe's data is not applied here (``bridge_ext.finetune.run.use_finetune_data`` renders
     it from the pretrained checkpoint's tokenizer)."""
-    from bridge_ext.build import build_config, resolve_for_run
+    from bridge_ext.build import build_config
     from bridge_ext.data import use_text_corpus
-    from bridge_ext.overrides import apply_user_overrides
 
     recipe, overrides = _all_recipes()[run.recipe], []
     for item in [*common, *run.overrides]:
@@ -222,15 +222,8 @@ def _configure(run: Run, *, iters: int, seed: int, data: str, common: list[str],
         else:
             overrides.append(item)
     finetune = is_finetune(recipe)
-    if finetune:
-        from bridge_ext.finetune.build import build_finetune_config
-
-        cfg = build_finetune_config(recipe)
-    else:
-        cfg = build_config(recipe)
-    apply_user_overrides(cfg, overrides=overrides)
-    cfg.train.train_iters = iters
-    resolve_for_run(cfg, recipe)  # schedule fractions -> iterations for this train_iters
+    # compare's budget last (the overrides cannot set it): the schedule's fractions follow this train_iters
+    cfg = build_config(recipe, overrides=overrides, values={"train.train_iters": iters})
     cfg.rng.seed = seed
     cfg.checkpoint.save = None
     cfg.checkpoint.load = None
@@ -285,7 +278,7 @@ def train_one(spec: dict[str, Any], *, callbacks: Sequence[Any] = ()) -> None:
     data.CORPUS_MAX_BYTES = spec.get("corpus_max_bytes", data.CORPUS_MAX_BYTES)
     run = Run(spec["recipe"], spec["overrides"], spec["label"])
     if spec.get("finetune"):
-        from bridge_ext.finetune.command import run_finetune
+        from bridge_ext.finetune.run import run_finetune
 
         cfg, recipe, _ = _configure(run, iters=spec["iters"], seed=spec["seed"], data=spec["data"],
                                     common=spec["common"], quiet=True)
@@ -462,7 +455,7 @@ def _check_pretrained(runs: list[Run], common: list[str]) -> None:
 
 def _check_finetune_runs(runs: list[Run], configured: dict[str, tuple[Any, Any]], data: str) -> str:
     """Every fine-tuning run has a pretrained checkpoint of its model and reads the same rendered data."""
-    from bridge_ext.finetune.command import use_finetune_data
+    from bridge_ext.finetune.run import use_finetune_data
 
     roots, line = {}, ""
     for run in runs:
@@ -599,7 +592,7 @@ def run_compare(runs: list[Run], *, out: Path, iters: int | None = None, seed: i
 
     losses = {r.label: r.losses for r in results}
     if finetune:
-        from bridge_ext.finetune.command import read_eval  # the last pass per iteration (the final one at the end)
+        from bridge_ext.finetune.run import read_eval  # the last pass per iteration (the final one at the end)
 
         evals = {run.label: read_eval(out / "runs" / run.dirname / "eval.jsonl") for run in runs}
     else:
@@ -654,66 +647,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------- CLI
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    named = [item for item in args.overrides if "=" not in item and not item.startswith("-")]
-    if named and args.recipes:
-        raise UserError(f"name the recipes once: --recipes {args.recipes} or {' '.join(named)}")
-    if not named and not args.recipes:
-        raise UserError("name two or more recipes: nemo llm compare A B --out DIR (or --recipes A,B)")
-    args.overrides = [item for item in args.overrides if item not in named]
-    runs = _parse_runs(args.recipes or ",".join(named), args.sweep or [])
-    if args.iters is not None and args.iters < 2:
-        raise UserError(f"--iters {args.iters} is too few to compare curves")
-    run_compare(runs, out=Path(args.out), iters=args.iters, seed=args.seed, data=args.data, device=args.device,
-                common=args.overrides, overwrite=args.overwrite, smooth_window=args.smooth, threads=args.threads)
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add ``nemo llm compare`` to the ``nemo llm`` sub-command parser."""
-    p = subparsers.add_parser(
-        "compare", help="train recipes on the same data, seed and token budget; CSV + plot of the losses",
-        description="Runs every recipe (x every --sweep value) with Megatron Bridge's pretrain() in its own "
-                    "process (CPU mode when no GPU is visible) and compares the per-iteration training loss.",
-    )
-    p.add_argument("--recipes",
-                   help="comma-separated recipes, e.g. qwen3_proxy_muon,qwen3_proxy_adamw (or name them before the "
-                        "overrides); RECIPE:KEY=VALUE[:KEY=VALUE] gives one run its own overrides. Fine-tuning "
-                        "recipes (e.g. qwen3_proxy_sft_muon,qwen3_proxy_sft_adamw) need "
-                        "checkpoint.pretrained_checkpoint=DIR and compare the held-out loss too")
-    p.add_argument("--iters", type=_positive, default=None,
-                   help=f"iterations per run (default {DEFAULT_ITERS}; fine-tuning: the recipe's own)")
-    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier compare in --out")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                   help=f"model init and data order seed (default {DEFAULT_SEED}; fine-tuning: rng.seed and "
-                        "dataset.seed, the training records' order)")
-    p.add_argument("--data", default=None,
-                   help="pre-training: text (default; the standard-library corpus, `nemo llm prepare-data`) or mock "
-                        "(random tokens); fine-tuning: FILE.jsonl or stdlib-signatures (default, the shipped set)")
-    p.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
-                   help="run every recipe once per value; repeated --sweep options are zipped")
-    p.add_argument("--smooth", type=_positive, default=DEFAULT_SMOOTH,
-                   help=f"window of the moving mean used for 'iterations to reach' (default {DEFAULT_SMOOTH})")
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="auto: CPU mode when no GPU is visible")
-    p.add_argument("--threads", type=_positive, help="torch threads per run (default: all cores)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="applied to every run, e.g. optimizer.clip_grad=0.5 (recipe names may come first)")
-    p.set_defaults(func=cmd_compare)
-
-
+# ------------------------------------------------------------------------------------------------ worker
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--worker":

@@ -14,14 +14,12 @@ tokenizer for ``nemo llm pretrain --yaml``. A dataset is keyed by the bytes of i
 the tokenizer files and the options: the same command again reuses it; a different one refuses to replace
 it without ``--overwrite``.
 
-Public API: :func:`prepare_corpus`, :class:`Prepared`, :func:`blend_problems`, :func:`check_real_data`,
-:func:`register_arguments`,
-:func:`run_command`.
+Public API: :func:`prepare_corpus`, :class:`Prepared`, :func:`split_documents`, :func:`blend_problems`,
+:func:`check_real_data`. The command's options: ``bridge_ext.commands.prepare_data``.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import io
@@ -38,7 +36,7 @@ from typing import Any, Literal
 from bridge_ext.errors import UserError
 
 __all__ = ["DEFAULT_SPLIT", "Prepared", "blend_problems", "check_real_data", "input_files", "prepare_corpus",
-           "register_arguments", "run_command", "split_documents"]
+           "split_documents"]
 
 Format = Literal["jsonl", "parquet", "text"]
 
@@ -527,49 +525,3 @@ def check_real_data(cfg: Any) -> str | None:
     if problems:
         raise UserError("; ".join(problems))
     return line
-
-
-# --------------------------------------------------------------------------------------------------- CLI
-def register_arguments(parser: argparse.ArgumentParser) -> None:
-    """``prepare-data``'s options for a user corpus (``--input`` switches to this path)."""
-    parser.add_argument("--input", action="append", nargs="+", metavar="PATH|GLOB",
-                        help="corpus files (JSONL, Parquet, text; .gz/.zst); repeat --input for a blend of sets")
-    parser.add_argument("--tokenizer", metavar="DIR", help="the model's directory with its tokenizer files "
-                        "(tokenizer.json, or tiktoken.model for Kimi K2)")
-    parser.add_argument("--out", metavar="PREFIX", help="output prefix: PREFIX.bin/.idx/.json and PREFIX.yaml")
-    parser.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default: text)")
-    parser.add_argument("--weights", type=float, nargs="+", metavar="W", help="one weight per --input set (blend)")
-    parser.add_argument("--split", default=DEFAULT_SPLIT,
-                        help=f"train,valid,test document split Megatron applies (default {DEFAULT_SPLIT})")
-    parser.add_argument("--workers", type=int, default=2, help="tokenizer threads (default 2; tiktoken: its encode_batch "
-                        "threads, Hugging Face: the Rust backend uses every core, RAYON_NUM_THREADS limits it)")
-    parser.add_argument("--append-eod", action="store_true", help="end every document with the eos token")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs made differently")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    if not args.tokenizer or not args.out:
-        raise UserError("--input needs --tokenizer DIR and --out PREFIX")
-    start = time.perf_counter()
-    prepared = prepare_corpus(args.input, tokenizer=args.tokenizer, out=args.out, text_key=args.text_key,
-                              weights=args.weights, split=args.split, workers=args.workers,
-                              append_eod=args.append_eod, overwrite=args.overwrite, quiet=args.quiet)
-    elapsed = time.perf_counter() - start
-    for prefix, record, built in zip(prepared.prefixes, prepared.records, prepared.built):
-        how = (f"built in {record['build_seconds']:.1f} s, {record['tokens_per_second']:,} tokens/s" if built
-               else "cached: same inputs, tokenizer and options")
-        print(f"dataset   {prefix} (.bin/.idx): {record['documents']:,} documents, {record['tokens']:,} tokens, "
-              f"{record['bytes'] / 1e6:.1f} MB in {len(record['files'])} files ({how})")
-    for prefix, record in zip(prepared.prefixes, prepared.records):
-        counts = split_documents(prepared.split, record["documents"])
-        shown = " / ".join("off" if c is None else f"{c:,}" for c in counts.values())
-        empty = [name for name, c in counts.items() if c == 0]
-        note = f"; {' and '.join(empty)} empty: pretrain refuses this split, pass another --split" if empty else ""
-        print(f"split     {prepared.split}: {shown} documents (train / valid / test) of {Path(prefix).name}{note}")
-    first = prepared.records[0]
-    print(f"tokenizer {prepared.tokenizer_dir} ({first['tokenizer_kind']}, {first['vocab_size']:,} tokens, "
-          f"end of document id {first['eod']}{', appended' if first['append_eod'] else ''})")
-    print(f"yaml      {prepared.yaml_path}  ->  nemo llm pretrain --recipe RECIPE --yaml {prepared.yaml_path}")
-    print(f"overrides {prepared.overrides()}")
-    print(f"done      {elapsed:.1f} s")
-    return 0

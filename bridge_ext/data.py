@@ -10,9 +10,9 @@ The dataset lives in a cache directory (``$MUON_RECIPES_CACHE`` or ``~/.cache/mu
 name derived from the corpus bytes and the tokenizer, so it is built once per machine (a few seconds)
 and rebuilt only when either changes. It is written to a temporary directory and renamed into place.
 
-Public API: :data:`PROXY_TOKENIZER_DIR`, :func:`prepare_text_corpus`, :func:`use_text_corpus`,
-:func:`register` (``nemo llm prepare-data``; with ``--input``, a user corpus: ``bridge_ext.corpus``).
-Heavy modules (numpy, tokenizers, Megatron) load lazily.
+Public API: :data:`PROXY_TOKENIZER_DIR`, :func:`prepare_text_corpus`, :func:`ensure_text_corpus`,
+:func:`use_text_corpus` (``nemo llm prepare-data``: ``bridge_ext.commands.prepare_data``; with ``--input``, a
+user corpus: ``bridge_ext.corpus``). Heavy modules (numpy, tokenizers, Megatron) load lazily.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = [
     "cache_root",
     "corpus_files",
     "corpus_info",
+    "ensure_text_corpus",
     "prepare_text_corpus",
-    "register",
     "train_tokenizer",
     "use_text_corpus",
 ]
@@ -155,11 +155,11 @@ def prepare_text_corpus(*, force: bool = False, quiet: bool = False) -> str:
     The prefix (``<cache>/text/stdlib-<hash>/stdlib_text_document``) is what goes into ``dataset.blend``.
     Built once per corpus and tokenizer; ``force`` rebuilds. Progress goes to stderr unless ``quiet``.
     """
-    return _prepare(force=force, quiet=quiet)[0]
+    return ensure_text_corpus(force=force, quiet=quiet)[0]
 
 
-def _prepare(*, force: bool, quiet: bool) -> tuple[str, bool]:
-    """``(prefix, built)``: built is False when the cached dataset was reused."""
+def ensure_text_corpus(*, force: bool = False, quiet: bool = False) -> tuple[str, bool]:
+    """:func:`prepare_text_corpus` as ``(prefix, built)``: built is False when the cached dataset was reused."""
     _check_tokenizer_dir(PROXY_TOKENIZER_DIR)
     files = corpus_files()
     total = sum(f.size for f in files)
@@ -345,44 +345,7 @@ def corpus_sha256(files: list[CorpusFile]) -> str:
     return digest.hexdigest()
 
 
-# --------------------------------------------------------------------------------------------------- CLI
-def cmd_prepare_data(args: argparse.Namespace) -> int:
-    if args.input:  # a user corpus with the model's tokenizer (bridge_ext.corpus)
-        from bridge_ext.corpus import run_command
-
-        return run_command(args)
-    stray = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "out", "weights") if getattr(args, name)]
-    if stray:
-        raise UserError(f"{stray[0]} needs --input (without --input, prepare-data builds the standard-library corpus)")
-    start = time.perf_counter()
-    prefix_path, built = _prepare(force=args.force, quiet=args.quiet)
-    info = corpus_info(prefix_path)
-    elapsed = time.perf_counter() - start
-    print(f"dataset   {prefix_path}  (dataset.blend prefix: .bin/.idx)")
-    print(f"source    {info['source']}")
-    print(f"size      {info['tokens']:,} tokens in {info['documents']} documents ({info['bytes'] / 1e6:.1f} MB)")
-    print(f"tokenizer {info['tokenizer']} (vocab {info['vocab_size']}, end of document id {info['eod']})")
-    print(f"status    {'built' if built else 'cached'} ({elapsed:.1f} s)")
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add ``nemo llm prepare-data`` to the ``nemo llm`` sub-command parser."""
-    from bridge_ext.corpus import register_arguments
-
-    p = subparsers.add_parser(
-        "prepare-data", help="tokenize a corpus into Megatron indexed datasets (default: the proxies' offline corpus)",
-        description="With --input: tokenize your corpus (JSONL, Parquet, text) with the model's tokenizer into "
-                    "Megatron indexed datasets and a YAML for `nemo llm pretrain --yaml` (docs/data.md). Without: "
-                    "tokenize the Python standard library's sources with the shipped tokenizer into a Megatron "
-                    f"indexed dataset under ${_ENV_CACHE} (default ~/.cache/muon-recipes); built once, reused after.",
-    )
-    register_arguments(p)
-    p.add_argument("--force", action="store_true", help="standard-library corpus: rebuild even when cached")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_prepare_data)
-
-
+# ------------------------------------------------------------------------------------- maintainers' entry
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bridge_ext.data", description=__doc__.split("\n")[0])
     parser.add_argument("--train-tokenizer", action="store_true",

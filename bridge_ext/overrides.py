@@ -3,12 +3,15 @@
 Both go through Megatron Bridge's own OmegaConf/Hydra path (``create_omegaconf_dict_config``,
 ``parse_hydra_overrides``, ``apply_overrides``). A YAML file may be a full dump (``--to-yaml`` output or
 ``yaml/<recipe>.yaml``, with ``_target_`` entries) or a partial one (``optimizer: {lr: 2e-4}``); only the
-values that differ from the recipe are applied. Unknown keys and values of the wrong type are refused.
+values that differ from the recipe (as ``--to-yaml`` would write it) are applied. Unknown keys and values of
+the wrong type are refused. :func:`apply_user_overrides` returns the dotted keys it set: the values the user set
+explicitly, which ``bridge_ext.build`` does not derive.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +22,8 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "set_dotted", "split_part_selectors"]
+__all__ = ["PART_SELECTORS", "apply_user_overrides", "config_to_yaml", "load_yaml_file", "override_key", "set_dotted",
+           "split_part_selectors"]
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
@@ -96,7 +100,7 @@ def _check_override_keys(base: dict, overrides: list[str]) -> None:
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override '{item}' is not of the form key=value (e.g. optimizer.lr=2e-4)")
-        key = item.split("=", 1)[0].lstrip("+~")
+        key = override_key(item)
         found, _ = _lookup(base, key)
         if not found:
             parent, _, leaf = key.rpartition(".")
@@ -125,10 +129,25 @@ def _check_types(new: Any, old: Any, path: str) -> Any:
     raise UserError(f"{path} expects {_type_name(old)} (recipe value {old!r}), got {new!r}")
 
 
-def apply_user_overrides(
-    cfg: ConfigContainer, *, yaml_path: str | Path | None = None, overrides: list[str] = ()
-) -> ConfigContainer:
-    """Apply ``yaml_path`` then ``overrides`` to ``cfg`` in place (recipe < YAML < command line)."""
+def _set_in_tree(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree[part]
+    tree[leaf] = value
+
+
+def override_key(item: str) -> str:
+    """The dotted key of a ``key=value`` override (Hydra's ``+``/``~`` prefixes dropped)."""
+    return item.split("=", 1)[0].lstrip("+~")
+
+
+def apply_user_overrides(cfg: ConfigContainer, *, yaml_path: str | Path | None = None, overrides: list[str] = (),
+                         derived: Mapping[str, Any] | None = None) -> set[str]:
+    """Apply ``yaml_path`` then ``overrides`` to ``cfg`` in place (recipe < YAML < command line).
+
+    ``derived``: the values ``bridge_ext.build`` will derive (dotted key -> value), for the config as
+    ``--to-yaml`` writes it: a YAML value equal to one of them is not a setting. Returns the dotted keys set.
+    """
     from megatron.bridge.training.utils.omegaconf_utils import (
         OverridesError,
         apply_overrides,
@@ -140,15 +159,22 @@ def apply_user_overrides(
 
     overrides = list(overrides)
     if yaml_path is None and not overrides:
-        return cfg
+        return set()
+    derived = dict(derived or {})
     omega, excluded = create_omegaconf_dict_config(cfg)
     base = OmegaConf.to_container(omega)
+    for dotted, value in derived.items():  # what the config will hold: the types an override must have
+        _set_in_tree(base, dotted, value)
     object_values: list[tuple[str, Any]] = []
+    explicit: set[str] = set()
 
     if yaml_path is not None:
         user = load_yaml_file(yaml_path)
+        written = yaml.safe_load(io.StringIO(config_to_yaml(cfg)))
+        for dotted, value in derived.items():
+            _set_in_tree(written, dotted, value)
         diffs: list[tuple[str, Any]] = []
-        _yaml_diff(user, yaml.safe_load(io.StringIO(config_to_yaml(cfg))), "", diffs)
+        _yaml_diff(user, written, "", diffs)
         plain = {}
         for dotted, value in diffs:
             if _is_object_node(value):
@@ -161,6 +187,7 @@ def apply_user_overrides(
         OmegaConf.set_struct(omega, True)
         for dotted, value in plain.items():
             OmegaConf.update(omega, dotted, value, merge=False)
+        explicit |= {dotted for dotted, _ in diffs}
 
     if overrides:
         _check_override_keys(base, overrides)
@@ -168,26 +195,27 @@ def apply_user_overrides(
             omega = parse_hydra_overrides(omega, overrides)
         except OverridesError as exc:
             raise UserError(" ".join(str(exc).split()).split(" full_key:")[0]) from None
+        explicit |= {override_key(item) for item in overrides}
 
     final = _check_types(OmegaConf.to_container(omega, resolve=True), base, "")
     final.pop("__version__", None)
     apply_overrides(cfg, final, excluded)
     for dotted, value in object_values:
         set_dotted(cfg, dotted, value)
-    return cfg
+    return explicit
 
 
 PART_SELECTORS = ("preset", "layout")
 
 
-def split_part_selectors(args: Any) -> None:
-    """``preset=NAME`` / ``layout=NAME`` in ``args.overrides`` select recipe parts (like --layout): moved onto
-    ``args``; the other overrides stay."""
-    remaining = []
-    for item in args.overrides:
+def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``preset=NAME`` / ``layout=NAME`` among ``overrides`` select recipe parts (like --layout):
+    returns ``({part: NAME}, the other overrides)``."""
+    parts, remaining = {}, []
+    for item in overrides:
         key, sep, value = item.partition("=")
         if sep and key in PART_SELECTORS:
-            setattr(args, key, value)
+            parts[key] = value
         else:
             remaining.append(item)
-    args.overrides = remaining
+    return parts, remaining

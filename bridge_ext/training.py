@@ -1,5 +1,8 @@
-"""From a resolved config to Megatron Bridge's ``pretrain()``: the one path ``nemo llm pretrain`` and
-``nemo llm compare`` share (device choice, data, stack fixes, CPU mode, preset run-time parts, callbacks).
+"""From a resolved config to Megatron Bridge's ``pretrain()``: the one path ``nemo llm pretrain``, ``finetune``
+and ``compare`` share (device choice, data, stack fixes, CPU mode, preset run-time parts, callbacks).
+
+The config arrives resolved (``bridge_ext.build.build_config``: every override applied, derived values set
+once); nothing here changes a value for GPUs except the data.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
     from recipes import Recipe
 
 __all__ = ["CPU_PARAM_LIMIT", "Prepared", "loss_recorder", "prepare", "read_losses", "read_records",
-           "records_losses_here", "run_pretrain", "write_loss_curve"]
+           "records_losses_here", "run_pretrain", "train", "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]
@@ -75,9 +78,10 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
             print(note, file=sys.stderr, flush=True)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
     from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
-    from bridge_ext.muon import MuonTelemetry, apply_preset
+    from bridge_ext.muon import MuonTelemetry
+    from bridge_ext.muon.presets import install_preset
 
-    apply_preset(cfg, recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix, at run time
+    install_preset(recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix (its config values: build.py)
     callbacks: list[Any] = []
     if telemetry and recipe.preset.kind == "muon":
         if not use_cpu:
@@ -127,6 +131,44 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
         if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return stop.received
+
+
+def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto") -> bool:
+    """``nemo llm pretrain``'s run of a resolved config on this machine, with its console lines; in CPU mode
+    the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). True when it stopped early
+    on its exit signal (after saving)."""
+    import signal
+
+    prepared = prepare(recipe, cfg, device=device, data=data)
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
+    if prepared.use_cpu:
+        say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
+    say(f"data: {prepared.data}", file=sys.stderr)
+    from bridge_ext.kill_safe import stop_line
+
+    if stop_line(cfg):
+        say(stop_line(cfg), file=sys.stderr)
+    callbacks = []
+    if prepared.use_cpu:  # one process: record the loss curve next to the checkpoints
+        run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")
+        losses = run_dir / "losses.jsonl"
+        callbacks.append(loss_recorder(losses))
+    stopped = run_pretrain(cfg, prepared, callbacks=callbacks)
+    if stopped:
+        from bridge_ext.checkpoints import read_tracker
+
+        step = read_tracker(cfg.checkpoint.save)[0] if cfg.checkpoint.save else None
+        say(f"stopped on {signal.Signals(cfg.train.exit_signal).name}"
+            + (f" at iteration {step}, saved to {cfg.checkpoint.save}; run the same command to resume"
+               if step is not None else " (nothing saved)"), file=sys.stderr)
+    if prepared.use_cpu:
+        curve = run_dir / "loss.png"
+        if records_losses_here():  # one writer when several processes train
+            write_loss_curve(losses, curve, title=f"{recipe.name}, {recipe.preset.name} preset")
+        say(f"checkpoint:      {cfg.checkpoint.save or '(not saved: checkpoint.save is unset)'}")
+        say(f"TensorBoard log: {cfg.logger.tensorboard_dir}")
+        say(f"loss curve:      {curve} (values: {losses})")
+    return stopped
 
 
 def records_losses_here() -> bool:

@@ -1,7 +1,7 @@
 """Several ``nemo llm import|export`` commands in one process per rank (for tests/test_convert_distributed.py).
 
 Run as ``torchrun --nproc-per-node 2 tests/convert_rank_driver.py OUT 'llm import --hf A --out B --ep 2' ...``:
-each command goes through :func:`bridge_ext.cli.main`, the ``nemo`` entry point, so one launch pays the
+each command goes through :func:`bridge_ext.commands.main`, the ``nemo`` entry point, so one launch pays the
 libraries' import once for several conversions. The first command runs exactly as
 ``torchrun ... $(which nemo) llm ...`` does: the conversion makes its gloo group from torchrun's environment
 and ends it. A second ``init_process_group`` from the same environment would read the first one's stale
@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def main(out: Path, commands: list[str]) -> int:
-    from bridge_ext.cli import main as nemo
+    from bridge_ext.commands import main as nemo
 
     records = []
     for number, command in enumerate(commands):

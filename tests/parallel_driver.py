@@ -19,7 +19,7 @@ import time
 def main(plan_path: str) -> int:
     import torch
 
-    from bridge_ext import cli
+    from bridge_ext import commands
     from bridge_ext.cpu_mode import init_cpu_distributed, reset_megatron_globals
 
     torch.set_num_threads(1)  # tiny models: one thread per process is faster on a shared machine
@@ -29,7 +29,7 @@ def main(plan_path: str) -> int:
     for index, args in enumerate(phases):
         start = time.time()
         reset_megatron_globals()
-        code = cli.main(["llm", "pretrain", *args])
+        code = commands.main(["llm", "pretrain", *args])
         if code != 0:
             print(f"PHASE {index} FAILED with exit code {code}: {' '.join(args)}", file=sys.stderr, flush=True)
             return code

@@ -136,17 +136,15 @@ def test_muon_run_logs_max_logit_per_layer_computing_only_when_it_must(cpu_mode,
     """The real pretrain() loop, 6 iterations of 2 micro-batches, telemetry every 3: the max logit is computed
     on the two logged iterations only, unless QK-clip (Kimi K2's preset) needs it on every forward."""
     from bridge_ext import training
-    from bridge_ext.build import build_config, resolve_for_run
+    from bridge_ext.build import build_config
     from bridge_ext.cpu_mode import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
     iters, interval = 6, 3
     recipe = get_recipe(recipe_name)
-    cfg = build_config(recipe)
-    cfg.train.train_iters, cfg.logger.log_interval = iters, interval
+    cfg = build_config(recipe, values={"train.train_iters": iters, "logger.log_interval": interval})
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = str(tmp_path / "tb")
-    resolve_for_run(cfg, recipe)
     micro_batches = cfg.train.global_batch_size // cfg.train.micro_batch_size
     assert micro_batches == 2
 
@@ -242,7 +240,7 @@ def _train_kimi_proxy_with_lr_0(path: str, probe: ClipProbe, tmp_path) -> None:
     """Two iterations of four micro-batches at lr 0 (the optimizer moves nothing; only QK-clip scales weights),
     through ``nemo llm pretrain``'s path (telemetry on) or ``nemo llm compare``'s worker (telemetry off)."""
     from bridge_ext import compare, training
-    from bridge_ext.build import build_config, resolve_for_run
+    from bridge_ext.build import build_config
     from bridge_ext.cpu_mode import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
@@ -250,11 +248,9 @@ def _train_kimi_proxy_with_lr_0(path: str, probe: ClipProbe, tmp_path) -> None:
     try:
         if path == "pretrain":
             recipe = get_recipe("kimi_k2_proxy_muon")
-            cfg = build_config(recipe)
-            cfg.train.train_iters, cfg.train.micro_batch_size = 2, 2
+            cfg = build_config(recipe, values={"train.train_iters": 2, "train.micro_batch_size": 2})
             cfg.optimizer.lr = cfg.optimizer.min_lr = 0.0
             cfg.checkpoint.save = cfg.checkpoint.load = cfg.logger.tensorboard_dir = None
-            resolve_for_run(cfg, recipe)
             prepared = training.prepare(recipe, cfg, device="cpu", data="mock")
             assert [type(c).__name__ for c in prepared.callbacks] == ["MuonTelemetry"]
             training.run_pretrain(cfg, prepared, callbacks=[probe])

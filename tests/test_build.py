@@ -115,7 +115,7 @@ def test_yaml_round_trip_is_identical(tmp_path):
     reloaded = ConfigContainer.from_yaml(str(path))
     assert config_to_yaml(reloaded) == config_to_yaml(cfg)
     # and through our --yaml path: applying the full dump to the recipe changes nothing
-    again = apply_user_overrides(build_config(recipes.get_recipe("kimi_k2_muon")), yaml_path=path)
+    again = build_config(recipes.get_recipe("kimi_k2_muon"), yaml_path=path)
     assert config_to_yaml(again) == config_to_yaml(cfg)
 
 
@@ -139,14 +139,14 @@ def test_edited_full_dump_applies_its_edits(tmp_path):
     data["model"]["params_dtype"] = {"_call_": False, "_target_": "torch.float32"}
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(data))
-    cfg = apply_user_overrides(build_config(recipe), yaml_path=path)
+    cfg = build_config(recipe, yaml_path=path)
     import torch
 
     assert cfg.optimizer.muon_num_ns_steps == 6 and cfg.model.params_dtype is torch.float32
 
 
 def test_int_override_of_float_field_becomes_float():
-    cfg = apply_user_overrides(build_config(recipes.get_recipe("qwen3_0p6b_muon")), overrides=["optimizer.lr=1"])
+    cfg = build_config(recipes.get_recipe("qwen3_0p6b_muon"), overrides=["optimizer.lr=1"])
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bridge_ext import cli
+from bridge_ext import commands
+from bridge_ext.errors import UserError
 from tests.stack_shapes import config_differences
 from tests.warm_cli import run_nemo
 
@@ -17,7 +18,7 @@ NEMO = str(Path(sys.executable).with_name("nemo"))
 
 
 def run_main(capsys, *argv):
-    code = cli.main(list(argv))
+    code = commands.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -96,7 +97,7 @@ def test_fast_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_unknown_command_without_nemo_run(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_nemo_run_app", lambda: None)
+    monkeypatch.setattr(commands, "nemo_run_commands", lambda: None)
     code, _, err = run_main(capsys, "llm", "pretrain", "--factory", "llama3_8b")
     assert code == 2 and "needs --recipe" in err and "NeMo-Run" in err
 
@@ -266,14 +267,17 @@ def test_full_recipe_refuses_cpu_mode(capsys, monkeypatch):
 @pytest.mark.slow
 def test_training_validates_for_the_launched_world_size(monkeypatch):
     """Under torchrun, WORLD_SIZE (not the layout's GPU count) decides data parallelism."""
-    args = cli.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_8b_muon"])
+    from bridge_ext.commands.common import resolve
+    from recipes import get_recipe
+
+    args = commands.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_8b_muon"])
     monkeypatch.setenv("WORLD_SIZE", "16")
-    _, layout, _, checked = cli._resolve(args)
-    assert layout.gpus == 8 and checked.data_parallel_size == 4
+    resolved = resolve(get_recipe("qwen3_8b_muon"), args)
+    assert resolved.layout.gpus == 8 and resolved.checked.data_parallel_size == 4
     monkeypatch.setenv("WORLD_SIZE", "6")  # TP4 cannot split 6 ranks
-    with pytest.raises(cli.UserError, match="6 GPUs are not divisible by model.tensor_model_parallel_size 4 x "
-                                            "pipeline_model_parallel_size 1 x context_parallel_size 1 = 4"):
-        cli._resolve(args)
+    with pytest.raises(UserError, match="6 GPUs are not divisible by model.tensor_model_parallel_size 4 x "
+                                        "pipeline_model_parallel_size 1 x context_parallel_size 1 = 4"):
+        resolve(get_recipe("qwen3_8b_muon"), args)
 
 
 @pytest.mark.slow
@@ -367,7 +371,7 @@ def test_kimi_k2_trains_the_real_router_and_the_bench_layout_says_why(capsys):
 def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_path):
     """qwen3_proxy_muon for 2 iterations: its 5 warm-up iterations x GBS 8 = 40 samples exceed the 2 x 8 = 16
     of the whole run, which Megatron Bridge warns about (and caps); a user needs to see that."""
-    argv = [sys.executable, "-m", "bridge_ext.cli", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
+    argv = [sys.executable, "-m", "bridge_ext.commands", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
             "train.train_iters=2", "--data", "mock"]
     warning = "lr_warmup_steps (40) >= lr_decay_steps (16)"
     dry = subprocess.run([*argv, "--dryrun"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
@@ -393,10 +397,10 @@ def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_p
 @pytest.mark.once
 def test_overrides_may_come_before_between_and_after_options():
     """argparse alone stops collecting ``key=value`` at the first option: `layout=cpu --dryrun x=1` was refused."""
-    args = cli.build_parser().parse_args(
+    args = commands.build_parser().parse_args(
         ["llm", "pretrain", "layout=cpu", "--recipe", "qwen3_proxy_muon", "--dryrun", "train.train_iters=3",
          "optimizer.lr=2e-4"])
     assert (args.recipe, args.dryrun) == ("qwen3_proxy_muon", True)
     assert args.overrides == ["layout=cpu", "train.train_iters=3", "optimizer.lr=2e-4"]
-    with pytest.raises(cli.UserError, match=r"^unrecognized arguments: --bogus \(see `nemo --help`\)$"):
-        cli.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "x=1", "--bogus"])
+    with pytest.raises(UserError, match=r"^unrecognized arguments: --bogus \(see `nemo --help`\)$"):
+        commands.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "x=1", "--bogus"])

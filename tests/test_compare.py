@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from bridge_ext import cli, compare, data
+from bridge_ext import commands, compare, data
 from bridge_ext.compare import RunResult, iterations_to_reach, smooth, summarize
 from bridge_ext.errors import UserError
 
 
 def nemo_llm(argv: list[str]) -> int:
     """``nemo llm ...`` through the real CLI (one ``error:`` line and exit 2 on bad input)."""
-    from bridge_ext import cli
+    from bridge_ext import commands
 
-    return cli.main(["llm", *argv])
+    return commands.main(["llm", *argv])
 
 
 # ------------------------------------------------------------------------------------------------- metrics
@@ -56,7 +56,7 @@ def test_csv_and_plot_are_written(tmp_path):
 
 
 def test_sweeps_are_zipped_into_labelled_runs():
-    runs = compare._parse_runs("qwen3_proxy_muon,qwen3_proxy_adamw",
+    runs = compare.parse_runs("qwen3_proxy_muon,qwen3_proxy_adamw",
                                ["optimizer.lr=1e-3,3e-3", "optimizer.min_lr=1e-4,3e-4"])
     assert [r.label for r in runs] == [
         "qwen3_proxy_muon[lr=1e-3,min_lr=1e-4]", "qwen3_proxy_muon[lr=3e-3,min_lr=3e-4]",
@@ -64,12 +64,12 @@ def test_sweeps_are_zipped_into_labelled_runs():
     ]
     assert runs[1].overrides == ["optimizer.lr=3e-3", "optimizer.min_lr=3e-4"]
     assert runs[1].dirname == "qwen3_proxy_muon_lr=3e-3_min_lr=3e-4"
-    assert [r.label for r in compare._parse_runs("qwen3_proxy_muon", ["optimizer.lr=1e-3,3e-3"])] == [
+    assert [r.label for r in compare.parse_runs("qwen3_proxy_muon", ["optimizer.lr=1e-3,3e-3"])] == [
         "qwen3_proxy_muon[lr=1e-3]", "qwen3_proxy_muon[lr=3e-3]"]
 
 
 def test_a_recipe_can_carry_its_own_overrides():
-    runs = compare._parse_runs("qwen3_proxy_muon:optimizer.lr=1e-2:optimizer.min_lr=1e-3, qwen3_proxy_adamw", [])
+    runs = compare.parse_runs("qwen3_proxy_muon:optimizer.lr=1e-2:optimizer.min_lr=1e-3, qwen3_proxy_adamw", [])
     assert [(r.recipe, r.overrides, r.label) for r in runs] == [
         ("qwen3_proxy_muon", ["optimizer.lr=1e-2", "optimizer.min_lr=1e-3"], "qwen3_proxy_muon[lr=1e-2,min_lr=1e-3]"),
         ("qwen3_proxy_adamw", [], "qwen3_proxy_adamw"),
@@ -150,10 +150,10 @@ def test_out_must_be_empty_or_overwritten(tmp_path, capsys):
 
 
 def test_nemo_cli_routes_compare(tmp_path, capsys):
-    assert cli.main(["llm", "compare", "--recipes", "qwen3_proxy_muon,qwen3_proxy_adamx", "--out",
+    assert commands.main(["llm", "compare", "--recipes", "qwen3_proxy_muon,qwen3_proxy_adamx", "--out",
                      str(tmp_path / "ab")]) == 2
     assert "did you mean 'qwen3_proxy_adamw'" in capsys.readouterr().err
-    assert cli.main(["llm", "prepare-data", "--bogus"]) == 2
+    assert commands.main(["llm", "prepare-data", "--bogus"]) == 2
 
 
 # ------------------------------------------------------------------------------------------- real training

@@ -7,7 +7,6 @@ Megatron-vs-transformers logits in fp32, and that transformers reloads the expor
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -117,16 +116,18 @@ def converted(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------- CLI wiring
-def test_register_adds_import_and_export_with_defaults():
-    parser = argparse.ArgumentParser()
-    convert.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["import", "--hf", "a", "--out", "b", "--verify"])
+def test_import_and_export_commands_with_defaults():
+    from bridge_ext.commands import build_parser, hf_export, hf_import
+
+    parser = build_parser()
+    args = parser.parse_args(["llm", "import", "--hf", "a", "--out", "b", "--verify"])
     assert (args.func, args.hf, args.out, args.verify, args.overwrite) == (
-        convert.run_import, Path("a"), Path("b"), True, False)  # fmt: skip
+        hf_import.run, Path("a"), Path("b"), True, False)  # fmt: skip
     assert args.tolerance == convert.VERIFY_TOLERANCE == 1e-3
-    args = parser.parse_args(["export", "--ckpt", "c", "--out", "d", "--iteration", "20", "--shard-size", "500MB"])
+    args = parser.parse_args(["llm", "export", "--ckpt", "c", "--out", "d", "--iteration", "20", "--shard-size",
+                              "500MB"])
     assert (args.func, args.ckpt, args.iteration, args.shard_size, args.hf_config) == (
-        convert.run_export, Path("c"), 20, 500_000_000, None)  # fmt: skip
+        hf_export.run, Path("c"), 20, 500_000_000, None)  # fmt: skip
 
 
 def test_cli_bad_input_is_one_line_exit_2_and_fast(tmp_path):

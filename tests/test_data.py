@@ -18,9 +18,9 @@ SAMPLE = 'def f(x):\n    """Return x."""\n\treturn  x  .  ,  # héllo wörld �
 
 def nemo_llm(argv: list[str]) -> int:
     """``nemo llm ...`` through the real CLI (one ``error:`` line and exit 2 on bad input)."""
-    from bridge_ext import cli
+    from bridge_ext import commands
 
-    return cli.main(["llm", *argv])
+    return commands.main(["llm", *argv])
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bridge_ext import cli
+from bridge_ext import commands
 from bridge_ext.errors import UserError
 from tests.warm_cli import run_nemo
 
@@ -23,7 +23,7 @@ PROXY_TOKENIZER = ROOT / "recipes" / "tokenizer"
 
 
 def nemo_llm(argv: list[str]) -> int:
-    return cli.main(["llm", *argv])
+    return commands.main(["llm", *argv])
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -74,10 +74,11 @@ def test_unknown_finetune_recipe_names_the_closest(capsys):
 
 
 @pytest.mark.once
-def test_nemo_run_keeps_its_factory_finetune():
-    assert not cli._is_ours(["llm", "finetune", "--factory", "llama3_8b"])
-    assert cli._is_ours(["llm", "finetune", "--recipe", "qwen3_8b_sft_muon", "--data", "x.jsonl"])
-    assert cli._is_ours(["llm", "finetune", "--list"])
+def test_nemo_run_keeps_its_factory_finetune(monkeypatch):
+    monkeypatch.setattr(commands, "nemo_run_commands", lambda: frozenset({"llm", "experiment"}))  # NeMo's group
+    assert commands._route(["llm", "finetune", "--factory", "llama3_8b"]) == "nemo_run"
+    assert commands._route(["llm", "finetune", "--recipe", "qwen3_8b_sft_muon", "--data", "x.jsonl"]) == "ours"
+    assert commands._route(["llm", "finetune", "--list"]) == "ours"
 
 
 # --------------------------------------------------------------------------------------------- bad input
@@ -144,17 +145,17 @@ def test_shipped_instruction_set_pairs_docstrings_with_signatures():
 @pytest.mark.once
 def test_training_order_follows_dataset_seed(tmp_path, monkeypatch):
     """Megatron Bridge reads training.jsonl in file order: the recipe's dataset.seed orders the records we write."""
-    import argparse
-
-    from bridge_ext.finetune.command import resolve_finetune, use_finetune_data
+    from bridge_ext.build import resolve
+    from bridge_ext.finetune.run import use_finetune_data
+    from recipes.finetune import get_finetune_recipe
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "output": f"a{i}"} for i in range(30)])
 
     def order(seed: int | None, cache: str) -> tuple[list[int], list[int]]:
         monkeypatch.setenv("MUON_RECIPES_CACHE", str(tmp_path / cache))
-        args = argparse.Namespace(recipe="qwen3_proxy_sft_muon", preset=None, layout=None, yaml=None, dryrun=True,
-                                  to_yaml=None, overrides=[] if seed is None else [f"dataset.seed={seed}"])
-        recipe, _, cfg, _ = resolve_finetune(args)
+        resolved = resolve(get_finetune_recipe("qwen3_proxy_sft_muon"),
+                           overrides=[] if seed is None else [f"dataset.seed={seed}"])
+        recipe, cfg = resolved.recipe, resolved.cfg
         _, sft, _ = use_finetune_data(recipe, cfg, data)
         assert cfg.dataset.dataset_root == str(sft.root)
         rows = [[int(json.loads(line)["output"].strip()[1:]) for line in (sft.root / f"{name}.jsonl").open()]
@@ -251,7 +252,7 @@ def proxy_ckpt(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
-    from bridge_ext.finetune.command import read_eval
+    from bridge_ext.finetune.run import read_eval
     from bridge_ext.training import read_losses
 
     run = tmp_path / "sft"
@@ -375,23 +376,22 @@ def test_wrong_architecture_checkpoint_is_one_line(proxy_ckpt, tmp_path, capsys)
 def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt, tmp_path, monkeypatch):
     """LoRA (Muon over the adapters): base weights bit-identical, adapters changed; the merged export loads in
     transformers and its logits equal the Megatron model's (base + adapters, unmerged) on the same tokens."""
-    import argparse
-
     import torch
     from megatron.bridge.training.callbacks import Callback
     from transformers import AutoModelForCausalLM
 
     from bridge_ext.convert import export_hf
     from bridge_ext.cpu_mode import reset_megatron_globals
-    from bridge_ext.finetune.command import resolve_finetune, run_finetune
+    from bridge_ext.build import resolve
+    from bridge_ext.finetune.run import run_finetune
+    from recipes.finetune import get_finetune_recipe
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "lora"
-    args = argparse.Namespace(recipe="qwen3_proxy_lora_muon", preset=None, layout=None, yaml=None, dryrun=False,
-                              to_yaml=None, overrides=[
-                                  f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={run}",
-                                  f"checkpoint.load={run}", "train.train_iters=6", "train.eval_interval=1000"])
-    recipe, _, cfg, _ = resolve_finetune(args)
+    resolved = resolve(get_finetune_recipe("qwen3_proxy_lora_muon"), training=True, overrides=[
+        f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={run}", f"checkpoint.load={run}",
+        "train.train_iters=6", "train.eval_interval=1000"])
+    recipe, cfg = resolved.recipe, resolved.cfg
     ids = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(7))
 
     class Probe(Callback):

@@ -83,20 +83,17 @@ def test_kimi_k2_lr_schedule_is_the_papers(layout):
 
 
 def test_budget_follows_the_batch_and_an_explicit_length_wins():
-    from bridge_ext.build import build_config, resolve_for_run
-    from bridge_ext.overrides import apply_user_overrides
+    from bridge_ext.build import build_config
 
     recipe = recipes.get_recipe("kimi_k2_muon")
-    cfg = apply_user_overrides(build_config(recipe), overrides=["train.global_batch_size=1024"])
-    resolve_for_run(cfg, recipe)
+    cfg = build_config(recipe, overrides=["train.global_batch_size=1024"])
     tokens_per_step = 1024 * 4096
     assert TOTAL_TOKENS <= cfg.train.train_iters * tokens_per_step < TOTAL_TOKENS + tokens_per_step
     assert cfg.scheduler.lr_warmup_iters == WARMUP_STEPS  # steps, not a fraction of the run
     lrs = _megatron_lrs(cfg, 256, [250, cfg.train.train_iters])
     assert lrs[250] == pytest.approx(1e-4) and lrs[cfg.train.train_iters] == pytest.approx(FINAL_LR)
 
-    cfg = apply_user_overrides(build_config(recipe), overrides=["train.train_iters=1000"])
-    resolve_for_run(cfg, recipe)
+    cfg = build_config(recipe, overrides=["train.train_iters=1000"])
     assert cfg.train.train_iters == 1000 and cfg.scheduler.lr_warmup_iters == WARMUP_STEPS
     assert cfg.scheduler.lr_wsd_decay_iters == round(1000 * 5.5 / 15.5)
 

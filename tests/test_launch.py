@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge_ext.cli import main
+from bridge_ext.commands import main
 from tests.warm_cli import run_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def test_slurm_script_for_kimi_k2(kimi_sbatch):
     launch = srun[srun.index("torchrun"):].split()
     assert launch[launch.index("--nnodes") + 1] == "64" and launch[launch.index("--nproc-per-node") + 1] == "4"
     command = launch[launch.index("-m") + 1:]
-    assert command[:-1] == ["bridge_ext.cli", "llm", "pretrain", "--recipe", "kimi_k2_muon", "--layout", "gb300x256",
+    assert command[:-1] == ["bridge_ext.commands", "llm", "pretrain", "--recipe", "kimi_k2_muon", "--layout", "gb300x256",
                             "--preset", "kimi_k2", "--yaml"]
     assert re.fullmatch(r"/nemo_run_configs/kimi_k2_muon-\d{8}-\d{6}\.yaml", command[-1]), command[-1]
     for key, value in {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "HF_HUB_OFFLINE": "1"}.items():

@@ -150,7 +150,8 @@ def test_resolve_schedule_recomputes_its_own_value_but_keeps_explicit_ones():
     assert resolve_schedule(cfg, preset) == {"lr_wsd_decay_iters": 710}
     assert resolve_schedule(cfg, preset) == {"lr_wsd_decay_iters": 710}
     cfg.scheduler.lr_wsd_decay_iters = 123  # explicit
-    assert resolve_schedule(cfg, preset) == {} and cfg.scheduler.lr_wsd_decay_iters == 123
+    explicit = {"scheduler.lr_wsd_decay_iters"}
+    assert resolve_schedule(cfg, preset, explicit=explicit) == {} and cfg.scheduler.lr_wsd_decay_iters == 123
     assert cfg.scheduler.lr_warmup_iters == 500 and cfg.scheduler.lr_warmup_fraction is None
 
 

@@ -3,7 +3,6 @@ really builds and routes (proxy models on CPU), and its Newton-Schulz FLOP formu
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -11,17 +10,12 @@ import time
 
 import pytest
 
-from bridge_ext.muon import muon_plan, newton_schulz_flops, register
+from bridge_ext.commands import main
+from bridge_ext.muon import muon_plan, newton_schulz_flops
 from recipes import get_recipe
 from recipes.params import count_params
 
 PROXIES = ("kimi_k2_proxy_muon", "qwen3_proxy_muon", "qwen3_moe_proxy_muon")
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="nemo llm")
-    register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
 
 
 def test_cli_json_is_instant_and_needs_no_torch():
@@ -32,13 +26,11 @@ def test_cli_json_is_instant_and_needs_no_torch():
 
 
 def test_cli_prints_table_and_json(capsys):
-    args = _parse(["muon-plan", "--recipe", "qwen3_30b_a3b_muon", "--json"])
-    assert args.func(args) == 0
+    assert main(["llm", "muon-plan", "--recipe", "qwen3_30b_a3b_muon", "--json"]) == 0  # in-process
     data = json.loads(capsys.readouterr().out)
     assert data["recipe"] == "qwen3_30b_a3b_muon" and data["tokens_per_step"] == 512 * 4096
     assert {r["route"] for r in data["rows"]} == {"muon", "adam"}
-    args = _parse(["muon-plan", "--recipe", "kimi_k2_muon"])
-    assert args.func(args) == 0
+    assert main(["llm", "muon-plan", "--recipe", "kimi_k2_muon"]) == 0
     table = capsys.readouterr().out
     assert "mlp.experts.local_experts.[0-383].linear_fc1.weight" in table and "NS / model" in table
 

@@ -59,13 +59,13 @@ def _free_port() -> int:
 
 def _pretrain_here(*args: str) -> None:
     """`nemo llm pretrain ARGS` in this process (one process, CPU mode)."""
-    from bridge_ext import cli
+    from bridge_ext import commands
     from bridge_ext.cpu_mode import reset_megatron_globals
 
     reset_megatron_globals()
     save = next(a.split("=", 1)[1] for a in args if a.startswith("checkpoint.save="))
     try:
-        assert cli.main(["llm", "pretrain", *args, f"logger.tensorboard_dir={save}/tb"]) == 0, args
+        assert commands.main(["llm", "pretrain", *args, f"logger.tensorboard_dir={save}/tb"]) == 0, args
     finally:
         reset_megatron_globals()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge_ext.cli import main
+from bridge_ext.commands import main
 from bridge_ext.muon import muon_plan, newton_schulz_flops
 from bridge_ext.plan import plan
 from bridge_ext.plan.memory import GB, activation_bytes, layer_wise_share, model_state
@@ -37,7 +37,7 @@ def qwen8():
 
 # ------------------------------------------------------------------------------------------------ speed
 def test_plan_is_fast_and_imports_neither_torch_nor_megatron():
-    code = ("import sys, time; t = time.process_time(); from bridge_ext.cli import main; "
+    code = ("import sys, time; t = time.process_time(); from bridge_ext.commands import main; "
             "rc = main(['llm', 'plan', '--recipe', 'kimi_k2_muon', '--json']); "
             "print('CPU', time.process_time() - t, file=sys.stderr); "
             "assert rc == 0; assert not any(m == 'torch' or m.startswith('megatron.') for m in sys.modules), "

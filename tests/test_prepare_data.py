@@ -53,9 +53,9 @@ KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 3: "<|im_end|>", 4: "<|im_user|>", 255:
 
 
 def nemo_llm(argv: list[str]) -> int:
-    from bridge_ext import cli
+    from bridge_ext import commands
 
-    return cli.main(["llm", *argv])
+    return commands.main(["llm", *argv])
 
 
 def _train_bpe(texts: list[str], vocab: int):

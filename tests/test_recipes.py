@@ -170,7 +170,7 @@ def test_adamw_twin_preset_differs_from_muon_only_in_the_optimizer(model):
 def test_recipes_and_info_answer_without_importing_torch_or_megatron():
     code = (
         "import sys\n"
-        "from bridge_ext.cli import main\n"
+        "from bridge_ext.commands import main\n"
         "assert main(['llm', 'recipes']) == 0\n"
         "assert main(['llm', 'info', '--recipe', 'kimi_k2_muon', '--json']) == 0\n"
         "assert main(['llm', 'info', '--recipe', 'kimi_k2_lora_muon', '--json']) == 0\n"

@@ -32,12 +32,13 @@ and parallel state), :mod:`~bridge_ext.convert.model` (building the Megatron sid
 Megatron Bridge's mappings: ``bridge_ext.patches.conversion``),
 :mod:`~bridge_ext.convert.fp8`, :mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron`
 (import), :mod:`~bridge_ext.convert.megatron_to_hf` (export), :mod:`~bridge_ext.convert.report` (summary and
-progress) and :mod:`~bridge_ext.convert.cli` (``register``).
+progress) and :mod:`~bridge_ext.convert.cli` (the commands on the console; their options:
+``bridge_ext.commands.hf_import`` / ``hf_export``).
 """
 
 from __future__ import annotations
 
-from bridge_ext.convert.cli import register, run_export, run_import
+from bridge_ext.convert.cli import run_export, run_import
 from bridge_ext.convert.fp8 import dequantize_fp8
 from bridge_ext.convert.hf_dir import (
     HF_SOURCE_DIR,
@@ -65,7 +66,6 @@ __all__ = [
     "import_hf",
     "inspect_hf_dir",
     "read_safetensors_header",
-    "register",
     "run_export",
     "run_import",
     "verify_logits",

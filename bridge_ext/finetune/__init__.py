@@ -1,12 +1,7 @@
-"""Fine-tuning (full SFT and LoRA) with Muon or AdamW on Megatron Bridge: ``nemo llm finetune``.
+"""Fine-tuning (full SFT and LoRA) with Muon or AdamW on Megatron Bridge (``nemo llm finetune``).
 
 ``data`` (JSONL checks, chat-template rendering, the held-out split), ``instructions`` (the shipped
-instruction set), ``build`` (recipe -> SFT/PEFT ``ConfigContainer``), ``command`` (the CLI and the run),
-``lora`` (adapters merged into the base weights, then the usual HF export). Heavy modules load lazily.
+instruction set), ``build`` (the fine-tuning parts of the SFT/PEFT ``ConfigContainer``), ``run`` (checkpoint,
+data and Megatron Bridge's run), ``lora`` (adapters merged into the base weights, then the usual HF export).
+The command itself is ``bridge_ext.commands.finetune``. Heavy modules load lazily.
 """
-
-from __future__ import annotations
-
-from bridge_ext.finetune.command import register
-
-__all__ = ["register"]

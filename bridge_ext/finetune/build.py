@@ -1,25 +1,21 @@
-"""Fine-tuning recipe -> Megatron Bridge's SFT / PEFT ``ConfigContainer``.
+"""The fine-tuning parts of a recipe's Megatron Bridge SFT / PEFT ``ConfigContainer``.
 
-Starts from Megatron Bridge's own fine-tuning template (``bridge_ext.patches.adapters.finetune_template``), then the
-recipe's three parts exactly as pre-training does (``bridge_ext.build``: model provider from the shipped HF
-config, layout, optimizer preset), then the fine-tuning data (``FinetuningDatasetConfig`` over the rendered
-JSONL; packed as Megatron Bridge packs when the recipe says so) and, for LoRA, Megatron Bridge's ``LoRA``.
+``bridge_ext.build.template`` starts from Megatron Bridge's own fine-tuning template
+(``bridge_ext.patches.adapters.finetune_template``) and applies the recipe's three parts exactly as for pre-training
+(model provider from the shipped HF config, layout, optimizer preset); this module adds the fine-tuning data
+(``FinetuningDatasetConfig`` over the rendered JSONL; packed as Megatron Bridge packs when the recipe says so),
+the tokenizer and, for LoRA, Megatron Bridge's ``LoRA``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bridge_ext.errors import UserError
-
 if TYPE_CHECKING:
-    from megatron.bridge.training.config import ConfigContainer
-
+    from recipes import Layout
     from recipes.finetune import FinetuneRecipe
 
-__all__ = ["build_finetune_config", "uses_packing"]
-
-OUTPUT_ROOT = "nemo_experiments"
+__all__ = ["describe", "finetune_dataset", "finetune_tokenizer_dir", "lora_config", "uses_packing"]
 
 
 def uses_packing(recipe: FinetuneRecipe, layout_name: str | None = None) -> bool:
@@ -28,60 +24,43 @@ def uses_packing(recipe: FinetuneRecipe, layout_name: str | None = None) -> bool
     return recipe.layout(layout_name).cluster != "cpu"
 
 
-def build_finetune_config(recipe: FinetuneRecipe, *, layout: str | None = None) -> ConfigContainer:
-    """The recipe's full SFT/PEFT ``ConfigContainer`` on the named layout (data root and checkpoint unset)."""
+def finetune_dataset(recipe: FinetuneRecipe, layout: Layout) -> Any:
+    """``FinetuningDatasetConfig`` for ``layout`` (its root is set when the data is rendered)."""
     from megatron.bridge.data.datasets.packed_sequence import PackedSequenceSpecs
     from megatron.bridge.training.config import FinetuningDatasetConfig
 
-    from bridge_ext.build import _apply_layout, _apply_preset, model_provider, resolve_for_run
-    from bridge_ext.patches.adapters import finetune_template
     from bridge_ext.finetune.data import sft_dataset_kwargs
-    from bridge_ext.overrides import set_dotted
 
-    chosen = recipe.layout(layout)
-    problems = chosen.problems(recipe.model.num_layers)
-    if problems:
-        raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
-    cfg = finetune_template(recipe.mode)
-    cfg.model = model_provider(recipe)
-    packed = uses_packing(recipe, layout)
-    cfg.dataset = FinetuningDatasetConfig(
-        dataset_root=None, seq_length=chosen.seq_length, seed=5678, memmap_workers=1,
-        packed_sequence_specs=PackedSequenceSpecs(packed_sequence_size=chosen.seq_length,
-                                                  pad_seq_to_mult=2 * chosen.cp if chosen.cp > 1 else 1)
+    packed = uses_packing(recipe, layout.cluster)
+    return FinetuningDatasetConfig(
+        dataset_root=None, seq_length=layout.seq_length, seed=5678, memmap_workers=1,
+        packed_sequence_specs=PackedSequenceSpecs(packed_sequence_size=layout.seq_length,
+                                                  pad_seq_to_mult=2 * layout.cp if layout.cp > 1 else 1)
         if packed else None,
         dataset_kwargs={**sft_dataset_kwargs(), **({"pad_to_max_length": True} if packed else {})},
         do_validation=True, do_test=False, dataloader_type="batch", num_workers=1,
     )
-    _apply_layout(cfg, chosen)
-    _apply_preset(cfg, recipe)
-    cfg.train.train_iters = recipe.train_iters(chosen)
-    if recipe.mode == "lora":
-        from megatron.bridge.peft.lora import LoRA
 
-        from bridge_ext import patches
 
-        patches.apply("lora")  # LoRA on machines without Transformer Engine (CPU): peft-have-te
+def lora_config(recipe: FinetuneRecipe) -> Any:
+    """Megatron Bridge's ``LoRA`` with the recipe's settings (LoRA recipes), else ``None`` (full SFT)."""
+    if recipe.mode != "lora":
+        return None
+    from megatron.bridge.peft.lora import LoRA
 
-        cfg.peft = LoRA(**{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recipe.lora.items()})
-    else:
-        cfg.peft = None
-    cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
-    cfg.tokenizer.tokenizer_model = None  # the checkpoint's (bridge_ext.finetune.run), or the proxies' shipped one
-    if recipe.model.proxy_of is not None:
-        from bridge_ext.data import PROXY_TOKENIZER_DIR
+    from bridge_ext import patches
 
-        cfg.tokenizer.tokenizer_model = str(PROXY_TOKENIZER_DIR)
-    run_dir = f"{OUTPUT_ROOT}/{recipe.name}"
-    cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/checkpoints"
-    cfg.checkpoint.pretrained_checkpoint = None
-    cfg.train.exit_signal_handler = True
-    cfg.train.exit_signal_handler_for_dataloader = True
-    cfg.logger.tensorboard_dir = f"{run_dir}/tb_logs"
-    for dotted, value in recipe.overrides.items():
-        set_dotted(cfg, dotted, value)
-    resolve_for_run(cfg, recipe)
-    return cfg
+    patches.apply("lora")  # LoRA on machines without Transformer Engine (CPU): peft-have-te
+    return LoRA(**{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recipe.lora.items()})
+
+
+def finetune_tokenizer_dir(recipe: FinetuneRecipe) -> str | None:
+    """The proxies' shipped tokenizer; ``None`` for full models: the checkpoint's (``bridge_ext.finetune.run``)."""
+    if recipe.model.proxy_of is None:
+        return None
+    from bridge_ext.data import PROXY_TOKENIZER_DIR
+
+    return str(PROXY_TOKENIZER_DIR)
 
 
 def describe(cfg: Any) -> str:

@@ -12,7 +12,7 @@ One module per job, each usable alone:
 * :mod:`bridge_ext.muon.telemetry`: :class:`MuonTelemetry`, update RMS, NS orthogonality error and the
   maximum attention logit every N iterations.
 
-:mod:`bridge_ext.muon.command` is ``nemo llm muon-plan`` (argparse). References: Moonlight, arXiv 2502.16982;
+``nemo llm muon-plan`` is ``bridge_ext.commands.muon_plan``. References: Moonlight, arXiv 2502.16982;
 Kimi K2, arXiv 2507.20534; Keller Jordan, "Muon" (2024); megatron-core 0.16.1 ``optimizer/muon.py``,
 ``optimizer/qk_clip.py``, ``transformer/multi_latent_attention.py``; emerging-optimizers 0.3.0
 ``orthogonalized_optimizers``. Importing this package imports neither torch nor Megatron.
@@ -20,7 +20,6 @@ Kimi K2, arXiv 2507.20534; Keller Jordan, "Muon" (2024); megatron-core 0.16.1 ``
 
 from bridge_ext.attention_logits import track_attention_logits
 from bridge_ext.muon.clip import clip_qk, install_muon_clip
-from bridge_ext.muon.command import cmd_muon_plan, register
 from bridge_ext.muon.manifest import MuonPlan, PlanRow, format_plan, muon_plan, newton_schulz_flops
 from bridge_ext.muon.presets import (
     CoefficientType,
@@ -38,7 +37,6 @@ __all__ = [
     "PlanRow",
     "apply_preset",
     "clip_qk",
-    "cmd_muon_plan",
     "format_plan",
     "install_muon_clip",
     "install_ns_coefficients",
@@ -46,7 +44,6 @@ __all__ = [
     "muon_plan",
     "newton_schulz_flops",
     "orthogonality_error",
-    "register",
     "resolve_schedule",
     "track_attention_logits",
 ]

@@ -8,6 +8,7 @@ fractions into iteration counts. References: Moonlight, arXiv 2502.16982; megatr
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
@@ -16,8 +17,8 @@ from bridge_ext.muon.clip import install_muon_clip
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
 
-__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "installed_ns_coefficients",
-           "resolve_schedule"]
+__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "install_preset", "installed_ns_coefficients",
+           "resolve_schedule", "schedule_values"]
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
@@ -62,16 +63,23 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
 
     Writes the preset's model fields (QK-clip: ``qk_clip``, ``qk_clip_threshold``, ``qk_clip_alpha``,
     ``log_max_attention_logit`` on the TransformerConfig / provider) and, when ``runtime``, installs its
-    Newton-Schulz coefficients and the MuonClip fix (:func:`install_muon_clip`). Plain presets
-    (``nvidia_perf``, ``adamw``) get "quintic", megatron-core's default. A model field the installed
-    megatron-core does not have fails with a ``UserError``.
+    run-time parts (:func:`install_preset`). A model field the installed megatron-core does not have fails
+    with a ``UserError``.
     """
     for key, value in getattr(preset, "model", {}).items():
         if not hasattr(cfg.model, key):
             raise UserError(f"optimizer preset '{preset.name}' sets model.{key}, which the installed "
                             "megatron-core's TransformerConfig does not have; pick another preset")
         setattr(cfg.model, key, value)
-    if runtime and preset.kind == "muon":
+    if runtime:
+        install_preset(preset)
+
+
+def install_preset(preset: OptimizerPreset) -> None:
+    """A Muon preset's process-wide parts, at run time: its Newton-Schulz coefficients, the gate/up split and
+    the MuonClip fix (:func:`install_muon_clip`). Plain presets (``nvidia_perf``, ``adamw``) install nothing:
+    megatron-core's "quintic" stays."""
+    if preset.kind == "muon":
         from bridge_ext.muon_split import install_gate_up_split
 
         # the preset's field (megatron-core 0.16 has none: this is how its set gets there)
@@ -80,31 +88,36 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
         install_muon_clip()
 
 
-def resolve_schedule(cfg: Any, preset: OptimizerPreset) -> dict[str, Any]:
-    """Turn the preset's schedule fractions into iteration counts for ``cfg.train.train_iters``.
+def schedule_values(scheduler: Any, preset: OptimizerPreset, *, train_iters: int | None,
+                    explicit: Collection[str] = ()) -> dict[str, Any]:
+    """The scheduler values the preset's schedule fractions give for ``train_iters`` (``scheduler.`` keys).
 
-    Call after every override (recipe, ``--yaml``, command line) and before ``validate()``/``pretrain``.
     Megatron Bridge 0.3.1's ``SchedulerConfig`` knows ``lr_warmup_fraction`` (of ``lr_decay_iters``) but
     has only iteration counts for the WSD decay, so ``lr_wsd_decay_fraction`` becomes
     ``lr_wsd_decay_iters = round(fraction * lr_decay_iters)``. Explicit settings win: a non-zero
     ``lr_warmup_iters`` (e.g. the proxies' 5) drops ``lr_warmup_fraction`` (Megatron rejects both), and a
-    set ``lr_wsd_decay_iters`` is kept. Idempotent; calling it again after ``train.train_iters`` changed
-    recomputes what it set itself (a value read back from YAML counts as explicit). Returns what it changed.
+    ``scheduler.lr_wsd_decay_iters`` in ``explicit`` (the dotted keys the user set) is kept unless it is unset.
     """
-    sched, changed = cfg.scheduler, {}
-    if sched.lr_warmup_fraction is not None and sched.lr_warmup_iters:
-        sched.lr_warmup_fraction = None
-        changed["lr_warmup_fraction"] = None
+    out: dict[str, Any] = {}
+    if scheduler.lr_warmup_fraction is not None and scheduler.lr_warmup_iters:
+        out["scheduler.lr_warmup_fraction"] = None
     fraction = getattr(preset, "schedule_fractions", {}).get("lr_wsd_decay_fraction")
-    ours = getattr(sched, "_bridge_ext_wsd_iters", None)  # set by an earlier call: recompute, not explicit
-    unset = sched.lr_wsd_decay_iters is None or sched.lr_wsd_decay_iters == ours
-    if fraction is not None and unset and sched.lr_decay_style == "WSD":
-        iters = cfg.train.train_iters
-        if iters is None:
+    unset = scheduler.lr_wsd_decay_iters is None or "scheduler.lr_wsd_decay_iters" not in explicit
+    if fraction is not None and unset and scheduler.lr_decay_style == "WSD":
+        if train_iters is None:
             raise UserError(f"preset '{preset.name}' sets its decay as a fraction of train.train_iters; "
                             "set train.train_iters (sample-based training is not supported by this preset)")
-        decay_iters = sched.lr_decay_iters or iters
-        sched.lr_wsd_decay_iters = max(1, round(fraction * decay_iters))
-        sched._bridge_ext_wsd_iters = sched.lr_wsd_decay_iters
-        changed["lr_wsd_decay_iters"] = sched.lr_wsd_decay_iters
+        decay_iters = scheduler.lr_decay_iters or train_iters
+        out["scheduler.lr_wsd_decay_iters"] = max(1, round(fraction * decay_iters))
+    return out
+
+
+def resolve_schedule(cfg: Any, preset: OptimizerPreset, *, explicit: Collection[str] = ()) -> dict[str, Any]:
+    """Set :func:`schedule_values` for ``cfg.train.train_iters`` on ``cfg.scheduler``; returns what changed
+    (field name -> value). ``bridge_ext.build`` derives them once, after every override."""
+    sched, changed = cfg.scheduler, {}
+    for dotted, value in schedule_values(sched, preset, train_iters=cfg.train.train_iters, explicit=explicit).items():
+        name = dotted.removeprefix("scheduler.")
+        setattr(sched, name, value)
+        changed[name] = value
     return changed

@@ -1,4 +1,4 @@
-"""``nemo llm plan``: what a recipe costs before it launches (memory per GPU, FLOPs, tokens, GPU-hours).
+"""What a recipe costs before it launches (``nemo llm plan``): memory per GPU, FLOPs, tokens, GPU-hours.
 
 Pure Python from the recipe's shipped HF ``config.json``, preset and layout: no torch, no model, well under
 a second. Parts: ``ranks`` (parameters per pipeline rank under TP/PP/VP/EP/ETP), ``memory`` (bytes per
@@ -9,8 +9,6 @@ from ``recipes.budget``. Throughput defaults are NVIDIA's measured figures (``BL
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,7 +16,7 @@ from bridge_ext.errors import UserError, closest
 from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
 from bridge_ext.plan.ranks import RankParams, Spec, rank_params
 
-__all__ = ["BLOG", "OVERRIDABLE", "Plan", "format_plan", "plan", "plan_summary", "register"]
+__all__ = ["BLOG", "OVERRIDABLE", "OVERRIDE_KEYS", "Plan", "format_plan", "plan", "plan_summary"]
 
 # NVIDIA Technical Blog, "Advancing Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron"
 # (2026-04-22), Table 1, GB300 NVL72, MXFP8, Megatron Bridge 26.02, TFLOP/s per GPU. Muon's figure counts
@@ -41,6 +39,7 @@ _RECOMPUTE = ("model.recompute_granularity", "model.recompute_modules", "model.r
               "model.recompute_num_layers")
 _OPTIMIZER = ("optimizer.optimizer", "optimizer.use_distributed_optimizer")
 _OTHER = ("train.train_iters",)
+OVERRIDE_KEYS = (*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER)  # every key=value a plan reads
 
 _LABELS: dict[OptimizerKind, str] = {
     "dist_muon": "Muon, layer-wise sharded (dist_muon)", "muon": "Muon, unsharded (muon)",
@@ -298,39 +297,3 @@ def plan_summary(p: Plan) -> str:
             f"{p.model_flops_per_step:.3g} model FLOP/step, Newton-Schulz {p.ns_flops_per_step:.3g} "
             f"({p.ns_flops_per_step / p.model_flops_per_step:.2%}); {p.tokens_per_step:,} tokens/step x "
             f"{p.train_iters:,} steps = {_n(p.total_tokens)} tokens{hours}")
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    overrides = []
-    layout, preset = args.layout, args.preset
-    for item in args.overrides:  # layout=NAME / preset=NAME select recipe parts, as for pretrain
-        key, _, value = item.partition("=")
-        if key == "layout":
-            layout = value
-        elif key == "preset":
-            preset = value
-        else:
-            overrides.append(item)
-    if args.tflops_per_gpu is not None and args.tflops_per_gpu <= 0:
-        raise UserError(f"--tflops-per-gpu must be positive, got {args.tflops_per_gpu}")
-    result = plan(args.recipe, layout=layout, preset=preset, overrides=overrides, tflops_per_gpu=args.tflops_per_gpu,
-                  spec=args.spec)
-    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add ``plan`` to ``nemo llm``."""
-    p = subparsers.add_parser("plan", help="memory per GPU, FLOPs, tokens and GPU-hours of a recipe (no GPU)",
-                              description="From the recipe's shipped HF config, preset and layout; no torch.")
-    p.add_argument("--recipe", required=True)
-    p.add_argument("--layout", help="a layout name from the recipe's list (default: its first); or layout=NAME")
-    p.add_argument("--preset", help="another optimizer preset; or preset=NAME")
-    p.add_argument("--tflops-per-gpu", type=float, help="throughput for GPU-hours (default: NVIDIA's measured "
-                   "figure where one exists: Kimi K2 1,080 / Qwen3-30B-A3B 721 on GB300 with Muon)")
-    p.add_argument("--spec", choices=("te", "local"),
-                   help="layer spec: te (GPUs) or local (CPU runs); default: local for cpu* layouts, else te")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help=f"layout=, preset=, or one of: {', '.join((*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER))}")
-    p.set_defaults(func=cmd_plan)
