@@ -375,7 +375,7 @@ def _batches(files: list[InputFile], text_key: str, counter: list[int], stats: d
 
 def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str, workers: int, append_eod: bool,
            label: str, quiet: bool) -> None:
-    from bridge_ext.build import quiet_megatron
+    from bridge_ext.upstream_output import quiet_megatron
 
     quiet_megatron()
     import numpy as np

@@ -201,7 +201,7 @@ def ensure_text_corpus(*, force: bool = False, quiet: bool = False) -> tuple[str
 
 
 def _build_dataset(files: list[CorpusFile], prefix: Path, *, key: str, quiet: bool) -> None:
-    from bridge_ext.build import quiet_megatron
+    from bridge_ext.upstream_output import quiet_megatron
 
     quiet_megatron()
     import numpy as np
