@@ -28,12 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 # ships no datasets Makefile). The others apply wherever their scope is used (CPU mode's in CPU mode).
 # megatron-core 0.16-0.17 define TensorParallelMuon in optimizer/muon.py (0.18+: optimizer/emerging_optimizers.py)
 MUON_IN_OPTIMIZER_MUON_PY = {"muon-ns-coefficients", "muon-gate-up-split"}
+# megatron-core 0.16-0.18 match loaded param groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)
+# (0.19 adds every override key): Megatron-LM issue 2625, tests/test_upstream_muon_bugs.py
+PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
-                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY},
+                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS},
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
-                         *MUON_IN_OPTIMIZER_MUON_PY},
+                         *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}

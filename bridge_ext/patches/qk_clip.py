@@ -1,4 +1,4 @@
-"""QK-clip and Muon-layout guards for known upstream bugs (tests/test_upstream_muon_bugs.py).
+"""QK-clip: known upstream bugs and their patches (tests/test_upstream_muon_bugs.py; the others: muon_bugs).
 
 Patches (scope ``stack``, every run, GPUs too):
 
@@ -14,17 +14,13 @@ Patches (scope ``stack``, every run, GPUs too):
   Applies where the installed ``clip_qk``, run on a two-head probe whose second head's max logit is
   negative, writes NaN into that head or changes it (every release read: megatron-core 0.16.0-0.19.2).
 
-Refusals (one line each, :func:`launch_problems`, checked with the layout before a launch or a dry run):
+Refusal (one line, :func:`launch_problems`, checked with the layout before a launch or a dry run):
 
 * ``model.qk_clip`` with the query/key weights under the distributed optimizer with an fp32 master copy
   (AdamW + ``use_distributed_optimizer`` in bf16/fp16; Megatron-LM PR 7382's other half): ``clip_qk`` views
   the master as the whole matrix, which the distributed optimizer keeps as a flat shard (a crash at the
   first clip). Refused where the installed ``clip_qk`` fails on such a shard (probe). Muon keeps these
   matrices whole (layer-wise or not): unaffected.
-* ``dist_muon``/``muon`` with ``use_distributed_optimizer`` (Megatron-LM issue 2164): where the installed
-  ``optimizer/muon.py`` refuses it ("muon with dist optimizer is not supported", megatron-core 0.16/0.17) the
-  error comes after the model is built and reads as if distributed Muon did not exist; ``dist_muon`` is
-  already the layer-wise distributed Muon. Decided by that source text.
 """
 
 from __future__ import annotations
@@ -35,13 +31,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from bridge_ext.patches.core import Patch
-from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["PATCHES", "launch_problems", "nonpositive_logit_nans", "sharded_master_fails"]
 
 _MLA = "megatron.core.transformer.multi_latent_attention"
 _GQA = "megatron.core.transformer.attention"
-_MUON = "megatron.core.optimizer.muon"
 _TAU = 100.0
 
 
@@ -100,14 +95,14 @@ def _upstream(function: Any) -> Any:
     return getattr(function, "_bridge_ext_original", function)
 
 
-def nonpositive_logit_nans(module: str, cls: str) -> bool:
-    """Whether the installed ``cls.clip_qk`` (upstream's, patched or not) harms a head whose max logit is
-    negative: NaN in, or any change to, its rows, while the head above tau is scaled (the probe's control)."""
+def nonpositive_logit_nans(module: str, cls: str, *, clip_qk: Callable[[Any], Any] | None = None) -> bool:
+    """Whether the installed ``cls.clip_qk`` (upstream's, patched or not; or ``clip_qk``) harms a head whose max
+    logit is negative: NaN in, or any change to, its rows, while the head above tau is scaled (the control)."""
     import importlib
 
     import torch
 
-    clip_qk = _upstream(getattr(importlib.import_module(module), cls).clip_qk)
+    clip_qk = clip_qk or _upstream(getattr(importlib.import_module(module), cls).clip_qk)
     stub, views = _PROBES[module]()
     try:
         with torch.no_grad():
@@ -176,21 +171,12 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
-def _muon_refuses_distributed_optimizer() -> bool:
-    return "muon with dist optimizer is not supported" in module_source(_MUON)
-
-
 def launch_problems(cfg: Any) -> list[str]:
     """What the installed stack would get wrong, or fail on confusingly, with ``cfg``: one line each, with
     the fix (empty when nothing)."""
     opt, model = cfg.optimizer, cfg.model
     distributed = bool(opt.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
     out = []
-    if distributed and opt.optimizer in ("muon", "dist_muon") and _muon_refuses_distributed_optimizer():
-        out.append(f"optimizer.optimizer={opt.optimizer} with use_distributed_optimizer: {package_of(_MUON)} "
-                   "runs Muon only without the distributed optimizer (dist_muon is the layer-wise distributed "
-                   "Muon already; Megatron-LM issue 2164); set optimizer.use_distributed_optimizer=false and "
-                   "ddp.use_distributed_optimizer=false")
     master = bool(getattr(opt, "bf16", False) or getattr(opt, "fp16", False))
     if (getattr(model, "qk_clip", False) and distributed and master
             and opt.optimizer not in ("muon", "dist_muon") and sharded_master_fails()):

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
-from bridge_ext.patches import (checkpointing, conversion, cpu, import_time, optimizer, optimizer_fields, qk_clip,
-                                 training)
+from bridge_ext.patches import (checkpointing, conversion, cpu, import_time, muon_bugs, optimizer, optimizer_fields,
+                                 qk_clip, training)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -28,6 +28,7 @@ REGISTRY: tuple[Patch, ...] = (
     *qk_clip.PATCHES,
     *training.PATCHES,
     *checkpointing.PATCHES,
+    *muon_bugs.PATCHES,
     *conversion.PATCHES,
     *cpu.PATCHES,
 )
