@@ -31,12 +31,16 @@ MUON_IN_OPTIMIZER_MUON_PY = {"muon-ns-coefficients", "muon-gate-up-split"}
 # megatron-core 0.16-0.18 match loaded param groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)
 # (0.19 adds every override key): Megatron-LM issue 2625, tests/test_upstream_muon_bugs.py
 PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
+# megatron-bridge 0.3 exports SequentialMLP experts through int('') and keeps their local numbers under EP
+# (0.4 reads local_experts.<N> on export, 0.6 also globalizes it; 0.4's KimiK2Bridge lacks their mappings)
+SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
-                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS},
+                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
+                         *SEQUENTIAL_EXPERTS_BEFORE_0_4},
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
-                         *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS},
+                         *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}

@@ -2,18 +2,27 @@
 Engine) in Megatron Bridge's HF <-> Megatron conversion.
 
 * ``deepseek-sequential-expert-mappings``: the DeepSeek-V3 bridge (Kimi K2's) maps only grouped-GEMM expert names.
+* ``kimi-k2-sequential-expert-mappings``: the same for megatron-bridge >= 0.4's own ``KimiK2Bridge``, where its
+  DeepSeek mapping list lacks them (0.4.2).
 * ``sequential-expert-export``: exporting ``local_experts.<N>`` fails on ``int('')``; with EP > 1 experts are
   gathered with their global numbers.
 * ``sequential-expert-numbers``: under EP > 1 a SequentialMLP expert keeps its local number.
+
+The last two step aside where upstream fixed them (megatron-bridge >= 0.4 reads ``local_experts.<N>`` in
+``gather_from_ep_ranks``; >= 0.6 also globalizes it), decided from the installed code.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 from bridge_ext.patches.core import Patch
+from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["PATCHES"]
 
@@ -112,6 +121,50 @@ def _global_sequential_expert_numbers(original: Callable) -> Callable:
     return _megatron_local_name_to_global
 
 
+_PARAM_MAPPING = "megatron.bridge.models.conversion.param_mapping"
+_MODEL_BRIDGE = "megatron.bridge.models.conversion.model_bridge"
+_KIMI_BRIDGE = "megatron.bridge.models.kimi.kimi_bridge"
+
+
+def _export_reads_the_number_after_weight() -> bool:
+    """Whether ``gather_from_ep_ranks`` takes the expert number from after ``.weight`` (0.3.x: ``int('')`` for
+    ``local_experts.<N>``). Not where it asks ``extract_expert_number_from_param`` (``utils/common_utils.py``,
+    0.4+) and that reads ``local_experts.<N>``; any other shape is drift."""
+    mapping = importlib.import_module(_PARAM_MAPPING).MegatronParamMapping
+    source = inspect.getsource(mapping.gather_from_ep_ranks)
+    if "int(self.megatron_param.split(key)[-1])" in source:
+        return True
+    extract = getattr(importlib.import_module(_PARAM_MAPPING), "extract_expert_number_from_param", None)
+    if "extract_expert_number_from_param(self.megatron_param)" in source and extract is not None:
+        if extract("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == 3:
+            return False
+    raise UpstreamDrift(f"{package_of(_PARAM_MAPPING)}: MegatronParamMapping.gather_from_ep_ranks reads the expert "
+                        "number in a way bridge_ext does not know (sequential-expert-export)")
+
+
+def _local_experts_keep_local_numbers() -> bool:
+    """Whether ``_megatron_local_name_to_global`` leaves ``local_experts.<N>`` local under EP (0.3.x, 0.4.x);
+    0.6 renumbers it (``is_local_expert_param``)."""
+    return "local_experts" not in inspect.getsource(importlib.import_module(_MODEL_BRIDGE)._megatron_local_name_to_global)
+
+
+_SEQUENTIAL_FC = ("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                  "decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight")
+
+
+def _kimi_k2_bridge_lacks_sequential_mappings() -> bool:
+    """Whether Megatron Bridge has ``KimiK2Bridge`` (0.3: ``models/kimi/`` holds only a provider) and its mappings
+    lack the SequentialMLP names (0.4.2's ``deepseek/common.py``; 0.6's has them)."""
+    if importlib.util.find_spec(_KIMI_BRIDGE) is None:
+        return False
+    bridge = importlib.import_module(_KIMI_BRIDGE).KimiK2Bridge
+    try:  # its mapping_registry reads no instance state (0.4.2, 0.6.0); if one ever does, patch (adds only gaps)
+        names = {m.megatron_param for m in bridge.mapping_registry(bridge.__new__(bridge)).mappings}
+    except AttributeError:
+        return True
+    return not set(_SEQUENTIAL_FC) <= names
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="deepseek-sequential-expert-mappings", area="conversion", scope="conversion",
@@ -122,10 +175,21 @@ PATCHES: tuple[Patch, ...] = (
         make=_with_sequential_expert_mappings,
     ),
     Patch(
+        name="kimi-k2-sequential-expert-mappings", area="conversion", scope="conversion",
+        module=_KIMI_BRIDGE, attr="KimiK2Bridge.mapping_registry",
+        upstream="megatron/bridge/models/kimi/kimi_bridge.py: deepseek/common.py's list, grouped-GEMM experts only (0.4)",
+        why="SequentialMLP experts (local_experts.<N>) would be skipped with a warning: neither loaded nor exported",
+        when="where Megatron Bridge's KimiK2Bridge (0.4+) lacks the SequentialMLP mappings (0.4; 0.6 has them)",
+        needed=_kimi_k2_bridge_lacks_sequential_mappings,
+        make=_with_sequential_expert_mappings,
+    ),
+    Patch(
         name="sequential-expert-export", area="conversion", scope="conversion",
         module="megatron.bridge.models.conversion.param_mapping", attr="MegatronParamMapping.gather_from_ep_ranks",
         upstream="megatron/bridge/models/conversion/param_mapping.py MegatronParamMapping.gather_from_ep_ranks",
         why="reads the expert number after `.weight` (grouped-GEMM names): int('') for local_experts.<N>",
+        when="where gather_from_ep_ranks reads the number after `.weight` (megatron-bridge 0.3)",
+        needed=_export_reads_the_number_after_weight,
         snippets=("global_expert_number = int(self.megatron_param.split(key)[-1])",),
         make=_sequential_expert_export,
     ),
@@ -134,7 +198,9 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.bridge.models.conversion.model_bridge", attr="_megatron_local_name_to_global",
         upstream="megatron/bridge/models/conversion/model_bridge.py _megatron_local_name_to_global",
         why="globalizes grouped-GEMM expert numbers only: with --ep 2 rank 1's expert 0 would be HF expert 0",
-        snippets=('if ".mlp.experts.linear_fc" in param_name and get_pg_size(ep_group) > 1',),
+        when="where _megatron_local_name_to_global leaves local_experts.<N> alone (megatron-bridge 0.3, 0.4)",
+        needed=_local_experts_keep_local_numbers,
+        snippets=('".mlp.experts.linear_fc" in param_name',),  # 0.3: `if ... and get_pg_size(..)`, 0.4: is_expert_param
         make=_global_sequential_expert_numbers,
     ),
 )
