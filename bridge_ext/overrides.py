@@ -22,8 +22,7 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["PART_SELECTORS", "apply_user_overrides", "config_to_yaml", "load_yaml_file", "override_key", "set_dotted",
-           "split_part_selectors"]
+__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "override_key", "set_dotted"]
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
@@ -203,19 +202,3 @@ def apply_user_overrides(cfg: ConfigContainer, *, yaml_path: str | Path | None =
     for dotted, value in object_values:
         set_dotted(cfg, dotted, value)
     return explicit
-
-
-PART_SELECTORS = ("preset", "layout")
-
-
-def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``preset=NAME`` / ``layout=NAME`` among ``overrides`` select recipe parts (like --layout):
-    returns ``({part: NAME}, the other overrides)``."""
-    parts, remaining = {}, []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in PART_SELECTORS:
-            parts[key] = value
-        else:
-            remaining.append(item)
-    return parts, remaining

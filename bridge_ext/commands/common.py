@@ -18,8 +18,11 @@ from bridge_ext.errors import UserError
 if TYPE_CHECKING:
     from bridge_ext.build import Resolved
 
-__all__ = ["Command", "Parser", "add_training_arguments", "check_new_file", "error", "is_rank_zero",
-           "launched_world_size", "resolve", "run_line", "select_recipe", "show_or_write", "summary", "write_atomic"]
+__all__ = ["PART_SELECTORS", "Command", "Parser", "add_training_arguments", "check_new_file", "error", "is_rank_zero",
+           "launched_world_size", "resolve", "run_line", "select_recipe", "show_or_write", "split_part_selectors",
+           "summary", "write_atomic"]
+
+PART_SELECTORS = ("preset", "layout")  # `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout
 
 
 # ------------------------------------------------------------------------------------------- the table
@@ -99,19 +102,32 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
+def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``({part: NAME}, the other overrides)`` for the :data:`PART_SELECTORS` among ``overrides``."""
+    parts, remaining = {}, []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in PART_SELECTORS:
+            parts[key] = value
+        else:
+            remaining.append(item)
+    return parts, remaining
+
+
 def select_recipe(args: argparse.Namespace, get: Callable[[str], Any]) -> Any:
     """``args.recipe`` by ``get`` with its preset; ``preset=NAME`` / ``layout=NAME`` overrides move onto ``args``."""
-    from bridge_ext.overrides import split_part_selectors
-
     parts, args.overrides = split_part_selectors(args.overrides)
     args.preset, args.layout = parts.get("preset", args.preset), parts.get("layout", args.layout)
     recipe = get(args.recipe)
     return recipe.with_preset(args.preset) if args.preset else recipe
 
 
-def resolve(recipe: Any, args: argparse.Namespace) -> Resolved:
-    """``bridge_ext.build.resolve`` for the command's layout, YAML and overrides, with progress on stderr while
-    Megatron loads. Validation uses the layout's GPU count, or the launcher's world size when training."""
+def resolve(args: argparse.Namespace, *, get: Callable[[str], Any]) -> Resolved:
+    """The recipe (:func:`select_recipe`), then ``bridge_ext.build.resolve`` for the command's layout, YAML and
+    overrides, with progress on stderr while Megatron loads. An existing ``--to-yaml`` target is refused first.
+    Validation uses the layout's GPU count, or the launcher's world size when training."""
+    recipe = select_recipe(args, get)
+    check_new_file(args.to_yaml, overwrite=args.overwrite)
     layout = recipe.layout(args.layout)
     training = not (args.dryrun or args.to_yaml)
     if args.yaml:  # fail before the slow imports

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     target = import_target(Path(args.hf)) if args.hf else None
     if target is not None:  # named before validation: Megatron Bridge validates PEFT only with a base checkpoint
         args.overrides.append(f"checkpoint.pretrained_checkpoint={target}")
-    resolved = resolve(recipe, args)
+    resolved = resolve(args, get=get_finetune_recipe)
     from bridge_ext.finetune.build import describe
 
     source = f"--hf {args.hf} (imported to {target})" if target else pretrained

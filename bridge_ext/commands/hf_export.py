@@ -1,4 +1,5 @@
-"""``nemo llm export --ckpt DIR --out HF``: a Megatron checkpoint -> a Hugging Face directory (``bridge_ext.convert``)."""
+"""``nemo llm export --ckpt DIR --out HF``: a Megatron checkpoint -> a Hugging Face directory
+(``bridge_ext.convert``)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
         description="Convert a Megatron checkpoint (from import or a training run) into a Hugging Face directory: "
         "config.json, safetensors shards with an index, tokenizer and generation files when known.",
     )
-    p.add_argument("--ckpt", required=True, type=Path, help="checkpoint root (iter_* directories) or one iter_* directory")
+    p.add_argument("--ckpt", required=True, type=Path,
+                   help="checkpoint root (iter_* directories) or one iter_* directory")
     p.add_argument("--out", required=True, type=Path, help="directory for the Hugging Face model")
     p.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
     p.add_argument("--hf-config", type=Path, default=None,
                    help="directory with the model's config.json (default: found from the checkpoint)")
-    p.add_argument("--shard-size", type=size_in_bytes, default=DEFAULT_SHARD_BYTES, help="max bytes per shard (default 5GB)")
+    p.add_argument("--shard-size", type=size_in_bytes, default=DEFAULT_SHARD_BYTES,
+                   help="max bytes per shard (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verbose", action="store_true", help="show Megatron's and transformers' own output")
     add_parallel_arguments(p)

@@ -1,4 +1,5 @@
-"""``nemo llm import --hf DIR --out CKPT``: a Hugging Face directory -> a Megatron checkpoint (``bridge_ext.convert``)."""
+"""``nemo llm import --hf DIR --out CKPT``: a Hugging Face directory -> a Megatron checkpoint
+(``bridge_ext.convert``)."""
 
 from __future__ import annotations
 

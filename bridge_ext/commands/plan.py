@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from bridge_ext.commands.common import split_part_selectors
 from bridge_ext.errors import UserError
 from bridge_ext.plan import OVERRIDE_KEYS
 
@@ -30,7 +31,6 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge_ext.overrides import split_part_selectors
     from bridge_ext.plan import format_plan, plan
 
     parts, overrides = split_part_selectors(args.overrides)  # layout=NAME / preset=NAME, as for pretrain

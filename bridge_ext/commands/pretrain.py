@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bridge_ext.commands.common import add_training_arguments, check_new_file, resolve, select_recipe, show_or_write
+from bridge_ext.commands.common import add_training_arguments, resolve, select_recipe, show_or_write
 from bridge_ext.errors import UserError
 from bridge_ext.launch import CONTAINER_IMAGE, EXECUTORS
 
@@ -46,11 +46,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from recipes import get_recipe
 
-    recipe = select_recipe(args, get_recipe)
     if args.executor:
-        return _launch(recipe, args)
-    check_new_file(args.to_yaml, overwrite=args.overwrite)
-    resolved = resolve(recipe, args)
+        return _launch(args, get_recipe)
+    resolved = resolve(args, get=get_recipe)
     if show_or_write(resolved, args):
         return 0
     from bridge_ext.training import train
@@ -59,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(recipe: Any, args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, get_recipe: Any) -> int:
     """``--executor``: what was validated here runs on every rank (``bridge_ext.launch``)."""
     from bridge_ext.launch import LaunchOptions, check_launch, launch
 
+    recipe = select_recipe(args, get_recipe)
     if args.to_yaml:
         raise UserError("--executor launches a run; write the YAML with --to-yaml alone")
     options = LaunchOptions(
@@ -72,7 +71,7 @@ def _launch(recipe: Any, args: argparse.Namespace) -> int:
         sbatch=args.sbatch, device=args.device, data=args.data, dryrun=args.dryrun)
     chosen = recipe.layout(args.layout)
     nodes, per_node = check_launch(options, gpus=chosen.gpus, cluster=chosen.cluster)
-    resolved = resolve(recipe, args)
+    resolved = resolve(args, get=get_recipe)
     from bridge_ext.overrides import config_to_yaml
 
     return launch(options, recipe=resolved.recipe, layout=resolved.layout.cluster,

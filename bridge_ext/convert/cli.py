@@ -24,7 +24,8 @@ def _finish(summary: ConversionSummary) -> int:
 
 
 def run_import(*, hf: Path, out: Path, verify: bool = False, overwrite: bool = False,
-               tolerance: float = VERIFY_TOLERANCE, tp: int = 1, pp: int = 1, ep: int = 1, verbose: bool = False) -> int:
+               tolerance: float = VERIFY_TOLERANCE, tp: int = 1, pp: int = 1, ep: int = 1,
+               verbose: bool = False) -> int:
     """``nemo llm import``: exit code 0, or :class:`UserError` for bad input."""
     with _quiet_upstream(verbose=verbose) as say:
         summary = import_hf(hf, out, verify=verify, overwrite=overwrite, tolerance=tolerance, tp=tp, pp=pp, ep=ep,

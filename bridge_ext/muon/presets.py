@@ -17,8 +17,8 @@ from bridge_ext.muon.clip import install_muon_clip
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
 
-__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "install_preset", "installed_ns_coefficients",
-           "resolve_schedule", "schedule_values"]
+__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "install_preset",
+           "installed_ns_coefficients", "resolve_schedule", "schedule_values"]
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
