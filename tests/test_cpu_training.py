@@ -58,9 +58,12 @@ def tiny_config(family: str, optimizer: str, iters: int, *, save: Path | None = 
     model.seq_length = SEQ
     common = dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0, bf16=False)
     if optimizer == "muon":
-        opt = OptimizerConfig(optimizer="dist_muon", **common, muon_momentum=0.95, muon_use_nesterov=True,
-                              muon_scale_mode="spectral", muon_fp32_matmul_prec="medium", muon_num_ns_steps=5,
-                              muon_tp_mode="blockwise", muon_extra_scale_factor=0.2, muon_split_qkv=True)
+        from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+
+        muon = installed_optimizer_fields("tiny", dict(  # megatron-core 0.19's names -> the installed release's
+            muon_momentum=0.95, muon_nesterov=True, muon_scale_mode="spectral", muon_fp32_matmul_prec="medium",
+            muon_num_ns_steps=5, muon_tp_mode="blockwise", muon_extra_scale_factor=0.2, muon_split_qkv=True))
+        opt = OptimizerConfig(optimizer="dist_muon", **common, **muon)
     else:
         opt = OptimizerConfig(optimizer="adam", **common, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     cfg = ConfigContainer(
