@@ -6,6 +6,7 @@ from __future__ import annotations
 import yaml
 
 from bridge_ext.generate import generating_stack
+from bridge_ext.patches.optimizer_fields import RENAMED, RUN_TIME, WHERE_ABSENT
 
 # Where Megatron Bridge releases differ in the *shape* of the same config (docs/stacks.md), each with why.
 _EQUIVALENT_CLASSES = [  # the same config under another class name
@@ -36,10 +37,14 @@ def stack_differences(shipped: dict, built: dict, *, release_shapes: bool = True
     """Field differences between two resolved configs (not counting the release shapes listed above, unless
     ``release_shapes`` is False)."""
     a, b = _flatten(shipped), _flatten(built)
+    if release_shapes:  # optimizer fields under megatron-core 0.19's names (bridge_ext.patches.optimizer_fields)
+        a, b = _canonical_optimizer_names(a), _canonical_optimizer_names(b)
     problems = []
     for key in sorted(set(a) | set(b)):
         if release_shapes and any(key == f or key.startswith(f + ".") for f in _ONE_RELEASE_ONLY):
             continue
+        if release_shapes and (key not in a or key not in b) and _runs_where_absent(key, a.get(key, b.get(key))):
+            continue  # a field one release lacks, set to what that release always runs
         if key not in a or key not in b:
             problems.append(f"{key} only in {'shipped' if key in a else 'built'}")
         elif a[key] != b[key]:
@@ -49,6 +54,19 @@ def stack_differences(shipped: dict, built: dict, *, release_shapes: bool = True
                 continue
             problems.append(f"{key}: shipped {a[key]!r}, built {b[key]!r}")
     return problems
+
+
+_OLD_NAMES = {f"optimizer.{old}": f"optimizer.{new}" for new, olds in RENAMED.items() for old in olds}
+
+
+def _canonical_optimizer_names(flat: dict) -> dict:
+    return {_OLD_NAMES.get(key, key): value for key, value in flat.items()}
+
+
+def _runs_where_absent(key: str, value) -> bool:
+    section, _, name = key.partition(".")
+    fixed = WHERE_ABSENT.get(name, (None, ""))[0] if section == "optimizer" else None
+    return name in WHERE_ABSENT and section == "optimizer" and (fixed == RUN_TIME or fixed == value)
 
 
 def config_differences(shipped_text: str, built_text: str) -> list[str]:

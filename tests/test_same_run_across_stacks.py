@@ -238,6 +238,22 @@ def test_a_setting_a_release_cannot_run_is_refused_in_one_line():
         installed_optimizer_fields("x", {"muon_no_such_field": 1}, available=available)
 
 
+def test_shipped_yaml_comparison_knows_the_name_differences():
+    """tests/stack_shapes (shipped YAML vs another stack's) reads a renamed or absent optimizer field as the same
+    setting, and still reports a changed value."""
+    from tests.stack_shapes import stack_differences
+
+    old = {"optimizer": {"optimizer": "dist_muon", "muon_use_nesterov": True}}  # megatron-core 0.16's YAML
+    new = {"optimizer": {"optimizer": "dist_muon", "muon_nesterov": True, "muon_coefficient_type": "simple",
+                         "muon_scalar_optimizer": "adam", "use_layer_wise_distributed_optimizer": False}}
+    assert stack_differences(old, new) == []
+    assert stack_differences(old, {"optimizer": {**new["optimizer"], "muon_nesterov": False}}) == [
+        "optimizer.muon_nesterov: shipped True, built False"]
+    assert stack_differences(old, {"optimizer": {**new["optimizer"], "muon_scalar_optimizer": "lion"}}) == [
+        "optimizer.muon_scalar_optimizer only in built"]
+    assert stack_differences(old, new, release_shapes=False) != []  # the generating stack: strict
+
+
 def test_the_name_list_is_the_adapters():
     """The explicit lists here and the adapter's translation say the same (the adapter is what builds)."""
     from bridge_ext.patches.optimizer_fields import RENAMED, WHERE_ABSENT as ADAPTER_ABSENT

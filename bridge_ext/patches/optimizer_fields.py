@@ -41,6 +41,7 @@ from bridge_ext.stack import module_source, package_of
 __all__ = [
     "PATCHES",
     "RENAMED",
+    "RUN_TIME",
     "WHERE_ABSENT",
     "canonical_optimizer_fields",
     "config_has_coefficient_type",
