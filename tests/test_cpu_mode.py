@@ -91,6 +91,12 @@ def test_te_import_guard_rewrites_only_module_level_unguarded_imports():
     assert guard_source("import torch\n") is None  # nothing to guard: the module imports unchanged
 
 
+def test_te_import_guard_binds_tes_extension_module_too():
+    """megatron-bridge 0.4's diffusion/models/wan/utils.py: `import transformer_engine_torch as tex`."""
+    guarded = guard_source("import torch\nimport transformer_engine_torch as tex\n")
+    assert guarded.splitlines() == ["import torch", "from bridge_ext.patches.import_time import MISSING_TEX as tex"]
+
+
 # --- models on CPU ----------------------------------------------------------------------------------------
 
 

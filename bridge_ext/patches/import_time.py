@@ -6,7 +6,9 @@
   without TE (a CPU, a dev box) every import of Megatron Bridge fails there. An import hook finds such a line
   by its content in any ``megatron.bridge`` module as it is imported and binds the name to :data:`MISSING_TE`
   instead: TE stays absent, so every ``HAVE_TE`` guard upstream takes its non-TE path. Modules without such a
-  line import unchanged; with TE installed the hook is never installed.
+  line import unchanged; with TE installed the hook is never installed. megatron-bridge 0.4 adds one for TE's
+  C++ extension (``import transformer_engine_torch as tex`` in ``diffusion/models/wan/utils.py``, reached from
+  ``megatron.bridge.recipes.__init__`` through the Wan recipes): bound to :data:`MISSING_TEX` alike.
 * ``peft-have-te`` (scope ``lora``): ``megatron/bridge/peft/utils.py`` sets ``HAVE_TE`` from
   ``safe_import_from(megatron.core.extensions.transformer_engine, ...)``, which succeeds without TE because
   megatron-core binds placeholders (mocks, not classes) there; ``get_adapter_attributes_from_linear`` then calls
@@ -24,10 +26,12 @@ import sys
 from bridge_ext.patches.core import Patch
 from bridge_ext.stack import have_transformer_engine
 
-__all__ = ["MISSING_TE", "PATCHES", "guard_source", "guarded_modules"]
+__all__ = ["MISSING_TE", "MISSING_TEX", "PATCHES", "guard_source", "guarded_modules"]
 
 # A module-level (column 0) unguarded import of TE's PyTorch API under any alias.
 _UNGUARDED_TE = re.compile(r"^import transformer_engine\.pytorch as (\w+)[ \t]*$", re.MULTILINE)
+# ... and of TE's C++ extension module (megatron-bridge 0.4's diffusion/models/wan/utils.py)
+_UNGUARDED_TEX = re.compile(r"^import transformer_engine_torch as (\w+)[ \t]*$", re.MULTILINE)
 _GUARDED_PACKAGE = "megatron.bridge."
 
 
@@ -58,6 +62,7 @@ class _MissingTENamespace:
 
 
 MISSING_TE = _MissingTENamespace("transformer_engine.pytorch")
+MISSING_TEX = _MissingTENamespace("transformer_engine_torch")
 
 _guarded: list[str] = []
 
@@ -65,7 +70,8 @@ _guarded: list[str] = []
 def guard_source(source: str) -> str | None:
     """``source`` with each unguarded TE import bound to :data:`MISSING_TE`, or None when it has none."""
     guarded, count = _UNGUARDED_TE.subn(rf"from {__name__} import MISSING_TE as \1", source)
-    return guarded if count else None
+    guarded, count_tex = _UNGUARDED_TEX.subn(rf"from {__name__} import MISSING_TEX as \1", guarded)
+    return guarded if count or count_tex else None
 
 
 class _GuardedSourceLoader(importlib.machinery.SourceFileLoader):
@@ -120,8 +126,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="te-import-guard", area="import", scope="import",
         module="sys", attr="meta_path",
-        upstream="megatron/bridge/peft/lora.py, lora_layers.py: module-level `import transformer_engine.pytorch as te`",
-        why="without TE every import of megatron.bridge fails there; the name is bound to a stand-in instead",
+        upstream="megatron/bridge/peft/lora.py, lora_layers.py: module-level `import transformer_engine.pytorch as te`;"
+                 " diffusion/models/wan/utils.py (megatron-bridge 0.4, via recipes/__init__.py): "
+                 "`import transformer_engine_torch as tex`",
+        why="without TE every import of megatron.bridge (0.4: of any of its recipes) fails there; the name is bound "
+            "to a stand-in instead",
         when="Transformer Engine is not installed",
         needed=lambda: not have_transformer_engine(),
         install=_install_te_import_guard,
