@@ -267,6 +267,19 @@ def test_dataset_helpers_are_the_prebuilt_ones(cpu_mode):
     assert importlib.import_module("megatron.core.datasets.helpers_cpp").build_sample_idx_int32
 
 
+def test_muon_over_lora_chains_only_the_parts_that_hold_parameters():
+    """LoRA trains only matrices (A, B): megatron-core's Adam part wraps None and would fail the first save."""
+    from types import SimpleNamespace
+
+    patch = next(p for p in patches.REGISTRY if p.name == "muon-lora-no-empty-adam")
+    muon, empty = SimpleNamespace(optimizer=object()), SimpleNamespace(optimizer=None)
+    build = patch.make(lambda *args, **kwargs: SimpleNamespace(chained_optimizers=[muon, empty]))
+    assert build("config", ["chunk"]).chained_optimizers == [muon]
+    adam = SimpleNamespace(optimizer=object())
+    full = patch.make(lambda *args, **kwargs: SimpleNamespace(chained_optimizers=[muon, adam]))
+    assert full().chained_optimizers == [muon, adam]  # nothing empty: unchanged
+
+
 def _callee_without(*names):
     def callee(self, params):  # takes neither of the renamed keywords
         return None
