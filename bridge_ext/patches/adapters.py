@@ -5,8 +5,7 @@ to call, and which names to use.
 * :func:`pretrain_template`, :func:`finetune_template`: Megatron Bridge's base ``ConfigContainer`` for a task,
   from ``recipes/common.py`` where it exists (megatron-bridge 0.3.1), else built from the same classes and
   values (0.3.0, whose recipes build it inline).
-* :func:`check_optimizer_fields`: a preset's ``muon_*`` field that the installed megatron-core lacks is a
-  ``UserError``, never silently dropped (``optimizer_fields`` maps renamed fields).
+* ``optimizer_fields``: a preset's optimizer fields under the names the installed ``OptimizerConfig`` uses.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from bridge_ext.stack import optimizer_muon_fields, package_of
-
-__all__ = ["check_optimizer_fields", "finetune_template", "pretrain_template"]
+__all__ = ["finetune_template", "pretrain_template"]
 
 
 def pretrain_template():
@@ -129,12 +126,3 @@ def _finetune_common_inline(mode: str):
         peft=peft,
     )
 
-
-def check_optimizer_fields(preset: str, fields: dict) -> None:
-    """Fail clearly when a preset sets a Muon field the installed megatron-core does not have."""
-    from bridge_ext.errors import UserError
-
-    unknown = sorted(k for k in fields if k.startswith("muon_") and k not in optimizer_muon_fields())
-    if unknown:
-        raise UserError(f"optimizer preset '{preset}' sets {', '.join(unknown)}, which "
-                        f"{package_of('megatron.core')} does not have; pick another preset")
