@@ -343,6 +343,40 @@ def test_ns_coefficients_that_run(recipe_name, preset_name, coefficients, cpu_mo
         _end_process_state()
 
 
+def _tensor_parallel_muon() -> type:
+    import importlib
+    import importlib.util
+
+    for name in ("megatron.core.optimizer.emerging_optimizers", "megatron.core.optimizer.muon"):  # 0.18+, 0.16/0.17
+        if importlib.util.find_spec(name) and hasattr(importlib.import_module(name), "TensorParallelMuon"):
+            return importlib.import_module(name).TensorParallelMuon
+    raise AssertionError("no TensorParallelMuon in megatron-core")
+
+
+@pytest.mark.parametrize(("coefficient_type", "coefficients"), [("simple", [KJ]), ("quintic", QUINTIC)])
+def test_tensor_parallel_muon_runs_the_set_it_is_given(coefficient_type, coefficients):
+    """megatron-core's TensorParallelMuon given ``coefficient_type`` (as 0.17+ passes the config's) runs that set,
+    with the stack fixes applied: megatron-core 0.17 refuses "simple" with emerging-optimizers 0.1.0 otherwise
+    (patch muon-coefficient-types). No model or process group: Newton-Schulz on one matrix, no tensor parallelism."""
+    import torch
+
+    from bridge_ext import patches
+
+    patches.apply("stack", only=["muon-coefficient-types"])
+    weight = torch.nn.Parameter(torch.zeros(96, 48))
+    muon = _tensor_parallel_muon()([weight], lr=0.1, coefficient_type=coefficient_type, num_ns_steps=5,
+                                   scale_mode="spectral", extra_scale_factor=0.2)
+    g = torch.randn(96, 48, generator=torch.Generator().manual_seed(5))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        got = muon.scaled_orthogonalize_fn(g.clone(), None, None).double()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    want = hand_newton_schulz(g, coefficients) * math.sqrt(96) * 0.2
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def _end_process_state() -> None:
     import torch.distributed as dist
     from megatron.bridge.training.initialize import destroy_global_state
