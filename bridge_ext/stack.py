@@ -37,6 +37,7 @@ PACKAGES = ("megatron-bridge", "megatron-core", "emerging-optimizers", "torch", 
 
 # Top-level import name -> distribution name, for messages about a module.
 _DISTRIBUTION_OF = {"megatron.bridge": "megatron-bridge", "megatron.core": "megatron-core",
+                    "megatron.training": "megatron-core",  # megatron-core >= 0.19 ships megatron/training
                     "emerging_optimizers": "emerging-optimizers", "torch": "torch",
                     "transformers": "transformers", "nemo_run": "nemo-run"}
 
@@ -78,10 +79,15 @@ def module_source(module_name: str) -> str:
     return inspect.getsource(importlib.import_module(module_name))
 
 
-def missing_snippets(module_name: str, snippets: tuple[str, ...]) -> list[str]:
-    """The snippets that no longer occur in the module's source (whitespace inside a line is compared as is)."""
+def missing_snippets(module_name: str, snippets: tuple[str | tuple[str, ...], ...]) -> list[str | tuple[str, ...]]:
+    """The snippets that no longer occur in the module's source (whitespace inside a line is compared as is).
+
+    A snippet may be a tuple of alternatives (``one_of``): the same code as different releases write it; it is
+    missing when none of them occurs.
+    """
     source = module_source(module_name)
-    return [snippet for snippet in snippets if snippet not in source]
+    return [snippet for snippet in snippets
+            if not any(form in source for form in ((snippet,) if isinstance(snippet, str) else snippet))]
 
 
 def expect_snippets(module_name: str, snippets: tuple[str, ...], *, fix: str) -> None:

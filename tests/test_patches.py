@@ -34,13 +34,28 @@ PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 # megatron-bridge 0.3 exports SequentialMLP experts through int('') and keeps their local numbers under EP
 # (0.4 reads local_experts.<N> on export, 0.6 also globalizes it; 0.4's KimiK2Bridge lacks their mappings)
 SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
+# CPU mode's CUDA code where each release keeps it (bridge_ext.patches.cpu.moved: the DDP wrapping's stream in
+# megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
+# tracker and the legacy GroupedMLP in 0.16 only) and the layer-wise all-gather as each release writes it
+CPU_CODE_IN_CORE_0_16 = {"cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",
+                         "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)",
+                         "cuda-on-cpu megatron.core.transformer.moe.experts (the legacy GroupedMLP's weights)",
+                         "layer-wise-all-gather-v", "layer-wise-all-gather-v (helper)"}
+CPU_CODE_IN_CORE_0_19 = {"cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
+                         "layer-wise-all-gather-v (per-rank buffers)",
+                         "layer-wise-all-gather-v (per-rank buffers) (helper)"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
                          "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
-                         *SEQUENTIAL_EXPERTS_BEFORE_0_4},
+                         *SEQUENTIAL_EXPERTS_BEFORE_0_4, *CPU_CODE_IN_CORE_0_16},
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
-                         *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4},
+                         *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
+                         *CPU_CODE_IN_CORE_0_16},
+    # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
+    # set against it, matches param groups by every override key, writes results without a Manager of its own
+    ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in
+                                                       MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
@@ -141,8 +156,9 @@ def test_every_cpu_target_is_code_that_needs_the_patch():
     from bridge_ext.patches import cpu
 
     for patch in (p for p in patches.REGISTRY if p.scope == "cpu"):
-        if patch.attr == "torch":
-            assert patch.snippets and all("cuda" in code or "nccl" in code for code in patch.snippets), patch.name
+        if patch.attr == "torch":  # a one_of snippet: each of its forms
+            forms = [form for code in patch.snippets for form in ((code,) if isinstance(code, str) else code)]
+            assert forms and all("cuda" in code or "nccl" in code for code in forms), patch.name
         elif patch.target == "torch.Tensor.cuda":
             assert patch.elsewhere == tuple(cpu.TENSOR_CUDA_CALLERS.items())
             assert all(".cuda(" in code for _, snippets in patch.elsewhere for code in snippets)
@@ -212,19 +228,49 @@ def test_a_short_run_caps_the_warm_up_on_every_stack():
     assert cfg.scheduler.lr_decay_steps == 10 * gbs and cfg.scheduler.lr_warmup_steps == 10 * gbs - 1
 
 
+def _tensor_parallel_muon():
+    """(module, class): megatron-core's TensorParallelMuon where the installed release defines it,
+    optimizer/muon.py (0.16-0.17) or optimizer/emerging_optimizers.py (0.18+)."""
+    import importlib
+    import importlib.util
+
+    for name in ("megatron.core.optimizer.muon", "megatron.core.optimizer.emerging_optimizers"):
+        if importlib.util.find_spec(name) is not None:
+            cls = getattr(importlib.import_module(name), "TensorParallelMuon", None)
+            if cls is not None and cls.__module__ == name:
+                return name, cls
+    raise AssertionError(f"no TensorParallelMuon in {package_of('megatron.core')}")
+
+
+def _muon_with_own_names(params, *, momentum: float, nesterov: bool, tp_mode: str, **kwargs):
+    """TensorParallelMuon built with the installed megatron-core's own keywords (0.16: momentum_beta=,
+    use_nesterov=, mode=; 0.18+: momentum=, nesterov=, tp_mode=)."""
+    from bridge_ext.stack import signature_params
+
+    cls = _tensor_parallel_muon()[1]
+    names = signature_params(cls.__init__)
+
+    def own(*candidates: str) -> str:
+        return next(name for name in candidates if name in names)
+
+    return cls(params, **{own("momentum_beta", "momentum"): momentum, own("use_nesterov", "nesterov"): nesterov,
+                          own("mode", "tp_mode"): tp_mode}, **kwargs)
+
+
 def test_megatron_core_call_sites_are_read_from_its_source():
-    assert "mode" in call_keywords("megatron.core.optimizer.muon", "newton_schulz_tp")
-    assert "use_nesterov" in call_keywords("megatron.core.optimizer.muon", "__init__", inside="TensorParallelMuon")
+    module = _tensor_parallel_muon()[0]
+    mode, nesterov = ("mode", "use_nesterov") if module.endswith(".muon") else ("tp_mode", "nesterov")
+    assert mode in call_keywords(module, "newton_schulz_tp")
+    assert nesterov in call_keywords(module, "__init__", inside="TensorParallelMuon")
 
 
 def test_muon_steps_with_megatron_cores_own_arguments(cpu_mode):
-    """After the fixes (applied or skipped), megatron-core's Muon runs one step on either stack."""
+    """After the fixes (applied or skipped), megatron-core's Muon runs one step on every stack."""
     import torch
-    from megatron.core.optimizer.muon import TensorParallelMuon
 
     weight = torch.nn.Parameter(torch.eye(4) * 2.0)
-    opt = TensorParallelMuon([weight], lr=0.5, momentum_beta=0.0, use_nesterov=False, weight_decay=0.0,
-                             num_ns_steps=5, scale_mode="shape_scaling", mode="duplicated")
+    opt = _muon_with_own_names([weight], lr=0.5, momentum=0.0, nesterov=False, weight_decay=0.0,
+                               num_ns_steps=5, scale_mode="shape_scaling", tp_mode="duplicated")
     weight.grad = torch.eye(4)
     opt.step()
     # a gradient that is already orthogonal: Newton-Schulz keeps (approximately) its direction, so the
@@ -238,11 +284,10 @@ def test_muon_stack_fix_passes_nesterov_and_tp_mode_through(cpu_mode):
     import math
 
     import torch
-    from megatron.core.optimizer.muon import TensorParallelMuon
 
     weight = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
-    opt = TensorParallelMuon([weight], lr=0.1, momentum_beta=0.9, use_nesterov=True, weight_decay=0.0,
-                             num_ns_steps=5, scale_mode="spectral", mode="blockwise")
+    opt = _muon_with_own_names([weight], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0,
+                               num_ns_steps=5, scale_mode="spectral", tp_mode="blockwise")
     assert getattr(opt, "nesterov", getattr(opt, "use_nesterov", None)) is True  # 0.3.0 / 0.1.0 name
     weight.grad = torch.ones_like(weight)
     before = weight.detach().clone()

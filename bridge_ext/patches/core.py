@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
 
-__all__ = ["Area", "Patch", "Scope", "always", "owner_of", "problems", "rewrite", "rewritten", "set_value"]
+__all__ = ["Area", "Patch", "Scope", "Snippet", "always", "one_of", "owner_of", "problems", "rewrite", "rewritten",
+           "set_value"]
 
 # The upstream area a patch works around (how docs/patches.md groups them).
 Area = Literal["optimizer", "training", "checkpointing", "conversion", "import", "cpu"]
@@ -31,8 +32,18 @@ Area = Literal["optimizer", "training", "checkpointing", "conversion", "import",
 Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun"]
 
 
+# Code a patch relies on: one exact text, or a tuple of alternatives (:func:`one_of`).
+Snippet = str | tuple[str, ...]
+
+
 def always() -> bool:
     return True
+
+
+def one_of(*forms: str) -> tuple[str, ...]:
+    """A snippet that different releases write differently (the same code moved or reworded in place): it fits
+    where any one of ``forms`` occurs."""
+    return forms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +66,8 @@ class Patch:
     why: str
     when: str = "always"
     needed: Callable[[], bool] = always
-    snippets: tuple[str, ...] = ()
-    elsewhere: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    snippets: tuple[Snippet, ...] = ()
+    elsewhere: tuple[tuple[str, tuple[Snippet, ...]], ...] = ()
     make: Callable[[Any], Any] | None = None
     install: Callable[[], None] | None = None
     accepts: Callable[[Any], bool] | None = None
@@ -97,7 +108,8 @@ def problems(patch: Patch) -> list[str]:
             out.append(f"{package_of(module_name)}: cannot import {module_name} ({exc}) ({patch.name})")
             continue
         if snippets:
-            out += [f"{package_of(module_name)}: {module_name} no longer contains {code!r} ({patch.name})"
+            out += [f"{package_of(module_name)}: {module_name} no longer contains "
+                    f"{repr(code) if isinstance(code, str) else 'any of ' + repr(code)} ({patch.name})"
                     for code in missing_snippets(module_name, snippets)]
     module = sys.modules.get(patch.module)
     if module is None:
@@ -144,20 +156,22 @@ def rewritten(qualname: str, replacements: tuple[tuple[str, str], ...]) -> Calla
 def rewrite(name: str, module: str, qualname: str, replacements: tuple[tuple[str, str], ...], *, area: Area,
             scope: Scope, upstream: str, why: str, when: str = "always",
             helpers: Mapping[str, tuple[Callable, str]] | None = None,
-            also_expects: tuple[str, ...] = ()) -> tuple[Patch, ...]:
+            also_expects: tuple[str, ...] = (), needed: Callable[[], bool] = always) -> tuple[Patch, ...]:
     """The patches that recompile ``module.qualname`` with ``replacements`` (:func:`rewritten`).
 
     ``helpers``: ``{global name: (function, why)}``, functions of ours that the replacement code calls, bound
     in the upstream module first (each a patch of its own, ``"<name> (helper)"``, matched by the upstream code
-    its call replaces). ``also_expects``: further code of that function the replacements rely on.
+    its call replaces). ``also_expects``: further code of that function the replacements rely on. ``needed``:
+    the condition (for a function that releases write differently: one ``rewrite`` per form, each applying
+    where its text occurs).
     """
     olds = tuple(old for old, _ in replacements)
     bound = tuple(
         Patch(name=f"{name} (helper)", area=area, scope=scope, module=module, attr=attr, upstream=upstream,
               why=helper_why, when=when, snippets=tuple(old for old, new in replacements if attr in new),
-              make=lambda old, function=function: function, must_exist=False)
+              make=lambda old, function=function: function, must_exist=False, needed=needed)
         for attr, (function, helper_why) in (helpers or {}).items()
     )
     return (*bound, Patch(name=name, area=area, scope=scope, module=module, attr=qualname, upstream=upstream,
-                          why=why, when=when, snippets=(*olds, *also_expects),
+                          why=why, when=when, snippets=(*olds, *also_expects), needed=needed,
                           make=rewritten(qualname, replacements)))

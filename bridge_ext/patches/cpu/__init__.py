@@ -12,7 +12,8 @@ models. It works in three ways, in order of preference:
 
 Parts: ``single_process`` (what every run reaches: model, forward/backward, optimizer, training loop,
 checkpoints), ``distributed`` (what several processes add: distributed and layer-wise optimizers,
-sequence-parallel norms, pipeline p2p, conversion under TP), ``redirect`` (the CUDA stand-ins).
+sequence-parallel norms, pipeline p2p, conversion under TP), ``moved`` (CUDA code that releases keep in
+different modules: redirected where the installed one has it), ``redirect`` (the CUDA stand-ins).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge_ext.patches.core import Patch
-from bridge_ext.patches.cpu import distributed, single_process
+from bridge_ext.patches.cpu import distributed, moved, single_process
 from bridge_ext.patches.cpu.redirect import TorchOnCPU, real_torch, tensor_stays_on_cpu, torch_proxy
 
 __all__ = ["PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
@@ -46,6 +47,7 @@ def _redirect(module: str, snippets: tuple[str, ...]) -> Patch:
 
 PATCHES: tuple[Patch, ...] = (
     *(_redirect(module, snippets) for module, snippets in TORCH_ON_CPU.items()),
+    *moved.PATCHES,
     *single_process.PATCHES,
     *distributed.PATCHES,
     Patch(

@@ -2,15 +2,18 @@
 
 The distributed optimizer's CUDA type check, ``dist_muon``'s (layer-wise optimizer) all-gather of unequal
 sizes and its fp32 save, sequence parallelism with the local spec's torch norms, pipeline p2p buffers, and
-conversion under TP > 1. Versions: megatron-core 0.16.0-0.16.1, megatron-bridge 0.3.0-0.3.1.
+conversion under TP > 1. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 0.3.0-0.6.0.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
-from bridge_ext.patches.core import Patch, rewrite
+from bridge_ext.patches.core import Patch, owner_of, rewrite
 from bridge_ext.patches.cpu.redirect import real_torch
+from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]
 
@@ -48,10 +51,28 @@ _DISTRIB_OPTIMIZER_TYPES = (
 
 # layer_wise_optimizer.py (dist_muon): `allgather_params` all-gathers each rank's flattened parameters, whose
 # sizes differ (an all_gather_v); gloo requires equal sizes. Every rank pads to the largest and trims.
+# megatron-core 0.16 pads nothing into `output_list`; 0.19 (`_allgather_helper`) into per-rank `gather_list`
+# buffers of the actual sizes ("PyTorch's NCCL backend handles uneven sizes"): one rewrite per form.
 _LAYER_WISE_ALLGATHER = (
     ("torch.distributed.all_gather(output_list, src, group=group)",
      "_bridge_ext_all_gather_v(output_list, src, group)"),
 )
+_LAYER_WISE_ALLGATHER_HELPER = (
+    ("torch.distributed.all_gather(gather_list, src, group=group)",
+     "_bridge_ext_all_gather_v(gather_list, src, group)"),
+)
+_LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
+
+
+def _all_gather_form(replacements: tuple[tuple[str, str], ...]) -> bool:
+    """Whether the installed ``allgather_params`` has this form's all-gather; drift when it has neither."""
+    cls = owner_of(importlib.import_module(_LAYER_WISE), "LayerWiseDistributedOptimizer.allgather_params")
+    source = inspect.getsource(cls.allgather_params) if cls is not None else ""
+    forms = (_LAYER_WISE_ALLGATHER, _LAYER_WISE_ALLGATHER_HELPER)
+    if not any(form[0][0] in source for form in forms):
+        raise UpstreamDrift(f"{package_of(_LAYER_WISE)}: LayerWiseDistributedOptimizer.allgather_params has none "
+                            "of the all-gathers CPU mode pads (bridge_ext.patches.cpu.distributed)")
+    return replacements[0][0] in source
 
 # layer_wise_optimizer.py `sharded_state_dict` (torch_dist save) reads sd['optimizer'] for every chained
 # member, which only mixed-precision members have; an fp32 member (FP32Optimizer) is the torch optimizer's
@@ -114,10 +135,25 @@ PATCHES: tuple[Patch, ...] = (
         "layer-wise-all-gather-v", "megatron.core.optimizer.layer_wise_optimizer",
         "LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER,
         upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.allgather_params",
-        **_CPU, why="dist_muon all-gathers parameter shards of different sizes per rank; gloo needs equal sizes "
+        **{**_CPU, "when": "CPU mode, where allgather_params all-gathers into output_list (megatron-core 0.16)"},
+        why="dist_muon all-gathers parameter shards of different sizes per rank; gloo needs equal sizes "
         "(RuntimeError); padded to the largest",
         helpers={"_bridge_ext_all_gather_v": (
             _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
+        needed=lambda: _all_gather_form(_LAYER_WISE_ALLGATHER),
+    ),
+    *rewrite(
+        "layer-wise-all-gather-v (per-rank buffers)", "megatron.core.optimizer.layer_wise_optimizer",
+        "LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER_HELPER,
+        upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.allgather_params "
+                 "(_allgather_helper)",
+        **{**_CPU, "when": "CPU mode, where allgather_params all-gathers into per-rank buffers of their own sizes "
+                           "(megatron-core 0.19)"},
+        why="dist_muon all-gathers parameter shards of different sizes per rank (NCCL accepts them); gloo needs "
+        "equal sizes (RuntimeError); padded to the largest",
+        helpers={"_bridge_ext_all_gather_v": (
+            _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
+        needed=lambda: _all_gather_form(_LAYER_WISE_ALLGATHER_HELPER),
     ),
     *rewrite(
         "layer-wise-fp32-save", "megatron.core.optimizer.layer_wise_optimizer",

@@ -2,7 +2,8 @@
 step, Megatron Bridge's training loop and torch_dist checkpoints reach in every run (also the multi-process
 ones), and what CPU mode does about each: a CUDA redirect (``TORCH_ON_CPU``), a targeted patch (``PATCHES``)
 or the process-wide ``Tensor.cuda`` (``TENSOR_CUDA_CALLERS``); ``bridge_ext.patches.cpu`` turns the tables into
-patches. Versions: megatron-core 0.16.0-0.16.1, megatron-bridge 0.3.0-0.3.1.
+patches. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 0.3.0-0.6.0 (a snippet a release rewrote in
+place is ``one_of`` its forms; code that moved to another module is in ``moved``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patches.core import Patch, one_of
 from bridge_ext.patches.cpu.redirect import real_torch
 from bridge_ext.sdpa_attention import SDPACoreAttention
 
@@ -36,9 +37,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'self.bias.data = self.bias.data.to(device=torch.cuda.current_device())',
         'device=torch.cuda.current_device(),',
         'torch.tensor(0, dtype=torch.float32, device=torch.cuda.current_device()),',
-    ),
-    "megatron.core.transformer.moe.moe_utils": (
-        'tracker[key]["values"] = torch.zeros(num_layers, device="cuda")',
     ),
     # CUDA RNG tracker (fork/add/seed) -> the CPU generator
     "megatron.core.tensor_parallel.random": (
@@ -90,14 +88,13 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
     "megatron.core.transformer.attention": (
         'device=torch.cuda.current_device(),',
     ),
-    "megatron.core.transformer.moe.experts": (
-        'device=torch.cuda.current_device(),',
-    ),
     # DDP grad buffers and their communication stream
     "megatron.core.distributed.param_and_grad_buffer": (
         'stream_context = torch.cuda.stream(self.communication_stream)',
-        'self.communication_stream.wait_stream(torch.cuda.default_stream())',
-        'torch.cuda.default_stream().wait_stream(self.communication_stream)',
+        one_of('self.communication_stream.wait_stream(torch.cuda.default_stream())',
+               'self.communication_stream.wait_stream(torch.cuda.current_stream())'),  # megatron-core 0.19
+        one_of('torch.cuda.default_stream().wait_stream(self.communication_stream)',
+               'torch.cuda.current_stream().wait_stream(self.communication_stream)'),
         'tmp_warmup_tensor = torch.zeros([1], device="cuda")',
         'device=torch.cuda.current_device(),',
     ),
@@ -118,8 +115,10 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.clip_grads": (
         "total_norm_cuda = torch.tensor([float(total_norm)], dtype=torch.float, device='cuda')",
         "dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device='cuda')",
-        "grad_norm = torch.zeros(1, dtype=torch.float, device='cuda')",
-        "total_num_zeros = torch.zeros(1, dtype=torch.float, device='cuda')",
+        one_of("grad_norm = torch.zeros(1, dtype=torch.float, device='cuda')",
+               "total_norm = torch.zeros(1, dtype=torch.float, device='cuda')"),  # megatron-core 0.19
+        one_of("total_num_zeros = torch.zeros(1, dtype=torch.float, device='cuda')",
+               "total_num_zeros = torch.zeros(1, dtype=torch.int64, device='cuda')"),
     ),
     # schedules, timers, rerun state machine
     "megatron.core.pipeline_parallel.schedules": (
@@ -136,15 +135,12 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         '"cuda_rng_state": torch.cuda.get_rng_state(),',
         'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
     ),
-    # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())`, DDP stream
+    # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())` (its DDP
+    # stream: bridge_ext.patches.cpu.moved)
     "megatron.bridge.models.model_provider": (
         'torch.cuda.set_device(get_local_rank_preinit())',
         'torch.distributed.init_process_group("nccl")',
         'model_module.cuda(torch.cuda.current_device())',
-        'ddp_stream = torch.cuda.Stream()',
-        'ddp_stream.wait_stream(torch.cuda.current_stream())',
-        'with torch.cuda.stream(ddp_stream):',
-        'torch.cuda.current_stream().wait_stream(ddp_stream)',
     ),
     # Megatron Bridge's training loop, batches, logging, checkpoints
     "megatron.bridge.training.setup": (
@@ -294,7 +290,8 @@ PATCHES: tuple[Patch, ...] = (
         upstream="megatron/bridge/training/initialize.py _warmup_jit_function",
         module="megatron.bridge.training.initialize",
         attr="_warmup_jit_function",
-        snippets=("_warmup_jit_function(model_config, micro_batch_size)", 'device="cuda"'),
+        snippets=('device="cuda"', one_of("_warmup_jit_function(model_config, micro_batch_size)",
+                                          "_warmup_jit_function(\n        model_config.transformer if")),
         why="warms torch.compile'd bias_swiglu/bias_dropout_add on CUDA tensors; with those fusions off (CPU) "
         "the kernels never run, and compiling them with inductor costs ~3 s per run",
         make=_jit_warmup,
