@@ -27,6 +27,8 @@ Each upstream spot the load relies on is matched by content (the patch's snippet
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,6 @@ def load_into_this_layout(original: Any, sharded_state_dict: Any, checkpoint_dir
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensorFactory
-    from megatron.core.dist_checkpointing.validation import verify_checkpoint_and_load_strategy
 
     requested = sharded_state_dict.get("optimizer") if isinstance(sharded_state_dict, dict) else None
     if requested is None or len(args) > 1 or kwargs.get("common_strategy") is not None:
@@ -104,9 +105,31 @@ def load_into_this_layout(original: Any, sharded_state_dict: Any, checkpoint_dir
                 if not isinstance(state.get("state"), dict):
                     state["state"] = {}
                 state["state"]["common_step"] = steps[0]
-    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    kwargs["common_strategy"] = _CommonWithOptimizer(common_strategy, rebuilt)
-    return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    load_source = inspect.getsource(inspect.unwrap(original))
+    if "common_strategy.load_common(" in load_source:  # megatron-core 0.16 (0.17 keeps the argument, must be None)
+        from megatron.core.dist_checkpointing.validation import verify_checkpoint_and_load_strategy
+
+        _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
+        kwargs["common_strategy"] = _CommonWithOptimizer(common_strategy, rebuilt)
+        return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    # megatron-core 0.19: load() takes no common strategy (nor has verify_checkpoint_and_load_strategy); it reads
+    # the common state through serialization.load_common_state_dict (0.17: serialization.load_common, imported
+    # from strategies/common.py), replaced for the duration of this load
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    name = ("load_common" if "common_state_dict = load_common(checkpoint_dir)" in load_source
+            else "load_common_state_dict")
+    upstream = getattr(serialization, name)
+
+    def load_common_state_dict(directory: Any) -> Any:
+        common = upstream(directory)
+        common["optimizer"] = rebuilt
+        return common
+
+    setattr(serialization, name, load_common_state_dict)
+    try:
+        return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    finally:
+        setattr(serialization, name, upstream)
 
 
 def _expert_parallel(model: dict) -> int:

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patches.core import Patch, one_of
 
 __all__ = ["PATCHES"]
 
@@ -114,15 +114,21 @@ PATCHES: tuple[Patch, ...] = (
             "(\"Cannot merge two lists\"); loaded into this layout's structure instead (bridge_ext.relayout)",
         when="always (only loads whose saved optimizer structure differs are changed)",
         elsewhere=(
-            # the common (non-tensor) state is the base the loaded tensors are merged into
+            # the common (non-tensor) state is the base the loaded tensors are merged into: read by load()'s
+            # common strategy (megatron-core 0.16), load_common (0.17) or load_common_state_dict (0.19: no
+            # common_strategy argument)
             ("megatron.core.dist_checkpointing.serialization",
-             ("common_state_dict = common_strategy.load_common(checkpoint_dir)",
+             (one_of("common_state_dict = common_strategy.load_common(checkpoint_dir)",
+                     "common_state_dict = load_common(checkpoint_dir)",
+                     "common_state_dict = load_common_state_dict(checkpoint_dir)"),
               "merge(common_state_dict, loaded_state_dict)")),
             # Megatron Bridge loads through the package attribute; rng_state's sharding follows EP; TP/PP check
             (_CKPT, ("state_dict = dist_checkpointing.load(", "if ep_size > 1:", "(TP, PP) mismatch after resume",
                      "and cfg.checkpoint.load_rng")),
-            # EP>1 gives the expert weights their own optimizer member / param groups
-            ("megatron.core.optimizer.muon", ("if group['is_expert_parallel']:",)),
+            # EP>1 gives the expert weights their own optimizer member / param groups: Muon's in muon.py
+            # (megatron-core 0.16) or, where muon.py is a shim, in optimizer/__init__.py (0.19)
+            ("megatron.core.optimizer.muon", (one_of("if group['is_expert_parallel']:",
+                                                     "Backward-compatible shim — all code now lives in"),)),
             ("megatron.core.optimizer", ("is_expert_parallel = not getattr(param, 'allreduce', True)",)),
         ),
         make=_load_into_this_layout,
