@@ -289,12 +289,13 @@ def _launch_problems(cfg: ConfigContainer, gpus: int, max_positions: int | None)
     out += qk_clip.launch_problems(cfg) + muon_bugs.launch_problems(cfg)  # upstream bugs the installed code has
     if max_positions and m.seq_length > max_positions:  # RoPE would run, on positions the model never had
         out.append(f"model.seq_length {m.seq_length} exceeds the model's max_position_embeddings {max_positions}")
-    from megatron.core import num_microbatches_calculator
+    from bridge_ext.patches.adapters import batch_split_calculator
 
-    try:  # the calculator Megatron Bridge's initialize builds at launch (rank 1: it logs on rank 0 only)
-        num_microbatches_calculator._build_num_microbatches_calculator(
-            1, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, gpus // (tp * pp * cp),
-            t.decrease_batch_size_if_needed)
+    try:  # the calculator Megatron Bridge's initialize builds at launch
+        batch_split_calculator(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                               data_parallel_size=gpus // (tp * pp * cp),
+                               decrease_batch_size_if_needed=t.decrease_batch_size_if_needed,
+                               rampup_batch_size=t.rampup_batch_size)
     except AssertionError as exc:
         out.append(f"train.global_batch_size: {' '.join(str(exc).split())} ({gpus} GPUs)")
     return out
@@ -311,6 +312,7 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     are skipped when they are absent (``cpu_mode.validation_without_gpu``). Every problem is a ``UserError``.
     """
     from bridge_ext.cpu_mode import validation_without_gpu
+    from bridge_ext.patches.adapters import mixed_precision_for_validate
 
     problems = _size_problems(cfg) or _launch_problems(cfg, gpus, max_positions)
     if problems:
@@ -322,7 +324,7 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     if checked.comm_overlap is not None:
         checked.comm_overlap.data_parallel_size = checked.data_parallel_size
     try:
-        with validation_without_gpu(checked):
+        with validation_without_gpu(checked), mixed_precision_for_validate(checked):
             checked.validate()
     except (AssertionError, ValueError, TypeError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__

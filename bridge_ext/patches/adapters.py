@@ -10,10 +10,17 @@ to call, and which names to use.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["finetune_template", "pretrain_template"]
+from bridge_ext.stack import signature_params
+
+__all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template"]
 
 
 def pretrain_template():
@@ -126,3 +133,48 @@ def _finetune_common_inline(mode: str):
         peft=peft,
     )
 
+
+
+def batch_split_calculator(*, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                           decrease_batch_size_if_needed: bool, rampup_batch_size: Any = None) -> Any:
+    """megatron-core's micro-batch calculator for these sizes, as Megatron Bridge's initialize builds it at
+    launch (rank 1: it logs on rank 0 only), without setting the global one.
+
+    ``num_microbatches_calculator._build_num_microbatches_calculator`` takes ``rampup_batch_size`` second in
+    megatron-core 0.16; 0.19 dropped it (deprecated: its ``init_num_microbatches_calculator`` warns and ignores
+    it) and added ``step_batch_size_schedule``. Called by keyword, with the rampup where it is taken.
+    """
+    from megatron.core import num_microbatches_calculator
+
+    build = num_microbatches_calculator._build_num_microbatches_calculator
+    sizes = {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+             "data_parallel_size": data_parallel_size, "decrease_batch_size_if_needed": decrease_batch_size_if_needed}
+    if "rampup_batch_size" in signature_params(build):
+        sizes["rampup_batch_size"] = rampup_batch_size
+    return build(1, **sizes)
+
+
+@contextlib.contextmanager
+def mixed_precision_for_validate(cfg: Any) -> Iterator[None]:
+    """``cfg.mixed_precision`` as ``ConfigContainer.validate()`` reads it, for the duration of the block.
+
+    megatron-bridge 0.6's ``validate()`` reads fields of ``self.mixed_precision`` (``fp8_param_gather``; a name
+    has none: AttributeError), which its ``runtime_config_update`` resolves from a recipe name just before;
+    0.3 reads none. Where the installed ``validate()`` reads them, a name is resolved for the block (Megatron
+    Bridge's own ``get_mixed_precision_config``) and put back after, so the checked config names its recipe on
+    every stack; nothing else changes (``setup()`` stays for the launch).
+    """
+    from megatron.bridge.training.config import ConfigContainer
+
+    name = cfg.mixed_precision
+    reads_fields = re.search(r"self\.mixed_precision\.\w", inspect.getsource(ConfigContainer.validate))
+    if not isinstance(name, str) or not reads_fields:
+        yield
+        return
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+    cfg.mixed_precision = get_mixed_precision_config(name)
+    try:
+        yield
+    finally:
+        cfg.mixed_precision = name
