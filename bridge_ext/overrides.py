@@ -41,7 +41,7 @@ def set_dotted(cfg: Any, dotted: str, value: Any) -> None:
 
 def config_to_yaml(cfg: ConfigContainer) -> str:
     """The resolved config as Megatron Bridge's ``ConfigContainer.to_yaml`` writes it."""
-    from megatron.bridge.training.utils.config_utils import safe_yaml_representers
+    from megatron.bridge.utils.yaml_utils import safe_yaml_representers  # 0.3: defined here; 0.6: re-exported
 
     with safe_yaml_representers():
         return yaml.safe_dump(cfg.to_dict(), default_flow_style=False)

@@ -112,7 +112,7 @@ def offline_hub(monkeypatch):
 
 
 def _model_dict(cfg) -> dict:
-    from megatron.bridge.training.utils.config_utils import safe_yaml_representers
+    from megatron.bridge.utils.yaml_utils import safe_yaml_representers
 
     with safe_yaml_representers():
         return yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["model"]
