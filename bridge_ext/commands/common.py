@@ -211,6 +211,7 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
             lines.append(f"tokenizer   {described}")
     if not task_lines:  # fine-tuning's task lines name its data
         lines.append(_data_line(recipe, cfg))
+    lines += stack_lines(muon=o.optimizer in ("muon", "dist_muon"), lora=getattr(cfg, "peft", None) is not None)
     sch = cfg.scheduler
     from recipes.budget import run_length
 
@@ -227,6 +228,20 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
     lines.append(f"schedule    {sch.lr_decay_style}: warm-up {warmup}{decay}; weight decay "
                  f"{sch.start_weight_decay}->{sch.end_weight_decay}")
     return "\n".join(lines)
+
+
+def stack_lines(*, muon: bool, lora: bool) -> list[str]:
+    """The installed Megatron stack and the upstream fixes (bridge_ext/patches) a run of this config applies on it:
+    what a run on this stack changes upstream, so that the same dry run on another container says what differs."""
+    from bridge_ext.cpu_mode import cpu_mode_active
+    from bridge_ext.patches import applied_here
+    from bridge_ext.stack import describe_stack
+
+    scopes = ["import", "stack", "checkpointing"]
+    scopes += ["muon"] * muon + ["lora"] * lora + ["lora-muon"] * (lora and muon) + ["cpu"] * cpu_mode_active()
+    fixes = applied_here(scopes)
+    return [f"stack       {describe_stack()}",
+            f"fixes       {len(fixes)} upstream fixes apply here ({', '.join(fixes) or 'none'}; docs/patches.md)"]
 
 
 def _data_line(recipe: Any, cfg: Any) -> str:
