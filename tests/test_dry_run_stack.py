@@ -9,7 +9,6 @@ import pytest
 from bridge_ext import commands
 
 
-
 @pytest.mark.slow
 @pytest.mark.stack
 def test_the_dry_run_names_the_stack_and_the_fixes_it_applies(capsys):
