@@ -202,7 +202,8 @@ def _save_fused(model, out: Path, *, shard_bytes: int | None) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    state = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    tied = model.config.tie_word_embeddings
+    state = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
     experts: dict[str, dict[int, dict[str, Any]]] = {}
     fused: dict[str, Any] = {}
     for name, tensor in state.items():

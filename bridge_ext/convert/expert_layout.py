@@ -46,7 +46,7 @@ class ExpertSlice(NamedTuple):
 
 
 def _names(experts: str, n: int) -> tuple[str, str, str]:
-    return tuple(f"{experts}.{n}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))  # type: ignore[return-value]
+    return f"{experts}.{n}.gate_proj.weight", f"{experts}.{n}.up_proj.weight", f"{experts}.{n}.down_proj.weight"
 
 
 def per_expert_views(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, ExpertSlice]:

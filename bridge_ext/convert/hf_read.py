@@ -58,7 +58,8 @@ class HFTensorReader:
         tensor = self._handle(self.source.tensors[name].file).get_tensor(name)
         scale = self.source.tensors.get(f"{name}_scale_inv")
         if self.dequantize and scale is not None and tensor.element_size() == 1:
-            tensor = dequantize_fp8(tensor, self._handle(scale.file).get_tensor(f"{name}_scale_inv"), self.source.fp8_block)
+            scale_inv = self._handle(scale.file).get_tensor(f"{name}_scale_inv")
+            tensor = dequantize_fp8(tensor, scale_inv, self.source.fp8_block)
         return tensor
 
     def close(self) -> None:

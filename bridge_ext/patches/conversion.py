@@ -145,7 +145,8 @@ def _export_reads_the_number_after_weight() -> bool:
 def _local_experts_keep_local_numbers() -> bool:
     """Whether ``_megatron_local_name_to_global`` leaves ``local_experts.<N>`` local under EP (0.3.x, 0.4.x);
     0.6 renumbers it (``is_local_expert_param``)."""
-    return "local_experts" not in inspect.getsource(importlib.import_module(_MODEL_BRIDGE)._megatron_local_name_to_global)
+    function = importlib.import_module(_MODEL_BRIDGE)._megatron_local_name_to_global
+    return "local_experts" not in inspect.getsource(function)
 
 
 _SEQUENTIAL_FC = ("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
@@ -177,7 +178,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="kimi-k2-sequential-expert-mappings", area="conversion", scope="conversion",
         module=_KIMI_BRIDGE, attr="KimiK2Bridge.mapping_registry",
-        upstream="megatron/bridge/models/kimi/kimi_bridge.py: deepseek/common.py's list, grouped-GEMM experts only (0.4)",
+        upstream="megatron/bridge/models/kimi/kimi_bridge.py: deepseek/common.py's grouped-GEMM expert mappings only",
         why="SequentialMLP experts (local_experts.<N>) would be skipped with a warning: neither loaded nor exported",
         when="where Megatron Bridge's KimiK2Bridge (0.4+) lacks the SequentialMLP mappings (0.4; 0.6 has them)",
         needed=_kimi_k2_bridge_lacks_sequential_mappings,
