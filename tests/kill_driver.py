@@ -76,7 +76,7 @@ def _child(request: dict) -> None:
     os.dup2(fd, 2)
     os.chdir(request.get("cwd") or ".")
     _install(request.get("events", []))
-    from bridge_ext.cli import main
+    from bridge_ext.commands import main
 
     try:
         code = main(request["argv"])
@@ -112,7 +112,7 @@ def _session(sid: int) -> list[str]:
 
 def main() -> None:
     # Import what every command needs once; the children start from here.
-    import bridge_ext.cli  # noqa: F401
+    import bridge_ext.commands  # noqa: F401
     import bridge_ext.training  # noqa: F401
     import megatron.bridge.training.gpt_step  # noqa: F401
     import megatron.bridge.training.pretrain  # noqa: F401

@@ -2,9 +2,9 @@
 
 A test calls :func:`run_nemo` where it would call ``subprocess.run([nemo, ...], capture_output=True,
 text=True)``. The command runs in a process forked from a warm one (this file run as a script) that has
-imported ``bridge_ext.cli`` and the Megatron / torch / transformers modules the commands use, and nothing
+imported ``bridge_ext.commands`` and the Megatron / torch / transformers modules the commands use, and nothing
 else: no CPU mode, no torch op, no process group. The forked process then does what the ``nemo`` script
-does (``bridge_ext.cli.main`` with the test's argv, working directory and environment, stdin/stdout/stderr
+does (``bridge_ext.commands.main`` with the test's argv, working directory and environment, stdin/stdout/stderr
 to files), runs the interpreter's exit steps (non-daemon threads, ``atexit``) and exits with main's code.
 
 Left to real subprocesses: what happens at import time (warnings printed while importing, the fast
@@ -25,7 +25,7 @@ __all__ = ["run_nemo"]
 
 # What the commands import lazily; importing them up front is what the warm process is for.
 WARM_MODULES = (
-    "bridge_ext.cli", "megatron.bridge", "megatron.bridge.training.pretrain", "megatron.bridge.training.finetune",
+    "bridge_ext.commands", "megatron.bridge", "megatron.bridge.training.pretrain", "megatron.bridge.training.finetune",
     "megatron.bridge.training.gpt_step", "megatron.bridge.recipes", "megatron.bridge.recipes.common",
     "megatron.bridge.peft.lora", "megatron.core.dist_checkpointing", "megatron.core.optimizer",
     "torch.distributed.checkpoint", "transformers", "safetensors.torch", "matplotlib.figure",
@@ -101,7 +101,7 @@ def _child(request: dict) -> None:
     sys.argv = ["nemo", *request["argv"]]
     code = 1
     try:
-        from bridge_ext.cli import main
+        from bridge_ext.commands import main
 
         code = main(request["argv"])
     except SystemExit as exc:
