@@ -6,6 +6,7 @@ import json
 import pytest
 import yaml
 
+import bridge_ext  # noqa: F401  (before megatron.bridge: its import guard for machines without Transformer Engine)
 import recipes
 from megatron.bridge.training.mixed_precision import get_mixed_precision_config
 from megatron.core.transformer.transformer_config import MLATransformerConfig
