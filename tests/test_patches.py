@@ -43,7 +43,11 @@ CPU_CODE_IN_CORE_0_16 = {"cuda-on-cpu megatron.bridge.models.model_provider (the
                          "layer-wise-all-gather-v", "layer-wise-all-gather-v (helper)"}
 CPU_CODE_IN_CORE_0_19 = {"cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
                          "layer-wise-all-gather-v (per-rank buffers)",
-                         "layer-wise-all-gather-v (per-rank buffers) (helper)"}
+                         "layer-wise-all-gather-v (per-rank buffers) (helper)",
+                         # 0.19's layer-wise optimizer: a CUDA flag per grad-norm group, fp32 members left raw
+                         "cuda-on-cpu megatron.core.optimizer.layer_wise_optimizer "
+                         "(the layer-wise grad-norm group flag)",
+                         "layer-wise-fp32-members"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
                          "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,

@@ -102,6 +102,33 @@ _TORCH_NORM_SEQUENCE_PARALLEL = (
 )
 
 
+# layer_wise_optimizer.py `LayerWiseDistributedOptimizer.__init__` (megatron-core 0.19) wraps its base torch
+# optimizers in Float16OptimizerWithFloat16Params for bf16 and in nothing otherwise ("Do not pre-wrap with Megatron
+# optimizers"; get_megatron_optimizer passes them raw), so an fp32 run (CPU mode) chains raw torch optimizers:
+# `ChainedOptimizer.get_loss_scale` -> AttributeError 'TensorParallelMuon' ... 'get_loss_scale' at the first
+# forward. 0.16's get_megatron_muon_optimizer wrapped them in FP32Optimizer itself; the same is done here.
+def _layer_wise_wraps_only_bf16() -> bool:
+    import importlib
+
+    init = importlib.import_module(_LAYER_WISE).LayerWiseDistributedOptimizer.__init__
+    source = inspect.getsource(init)
+    return "Do not pre-wrap with Megatron optimizers" in source and "FP32Optimizer(" not in source
+
+
+def _fp32_members(init: Any) -> Any:
+    def __init__(self, optimizers: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if not config.bf16:  # what bf16 gets inside (Float16OptimizerWithFloat16Params), for fp32
+            from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+            bound = inspect.signature(init).bind(self, optimizers, config, *args, **kwargs)
+            init_fns = bound.arguments.get("init_state_fn_list") or [None] * len(optimizers)
+            optimizers = [opt if isinstance(opt, MegatronOptimizer) else FP32Optimizer(opt, config, fn)
+                          for opt, fn in zip(optimizers, init_fns)]
+        init(self, optimizers, config, *args, **kwargs)
+
+    return __init__
+
+
 def _sequence_parallel_norm(norm: Any, config: Any) -> Any:
     """Flag a norm's parameters as TE's and Apex's norms do (``setattr(p, 'sequence_parallel', ...)``)."""
     for param in norm.parameters():
@@ -154,6 +181,19 @@ PATCHES: tuple[Patch, ...] = (
         helpers={"_bridge_ext_all_gather_v": (
             _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
         needed=lambda: _all_gather_form(_LAYER_WISE_ALLGATHER_HELPER),
+    ),
+    Patch(
+        name="layer-wise-fp32-members", module=_LAYER_WISE, attr="LayerWiseDistributedOptimizer.__init__",
+        upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.__init__ "
+                 "(base optimizers wrapped for bf16 only)",
+        **{**_CPU, "when": "CPU mode, where LayerWiseDistributedOptimizer wraps its raw base optimizers for bf16 "
+                           "only (megatron-core 0.19)"},
+        why="an fp32 dist_muon run chains raw torch optimizers (AttributeError: no get_loss_scale at the first "
+            "forward); they are wrapped in FP32Optimizer, as megatron-core 0.16's get_megatron_muon_optimizer does",
+        needed=_layer_wise_wraps_only_bf16,
+        snippets=("if config.bf16:", "super().__init__(optimizers)"),
+        elsewhere=(("megatron.core.optimizer", ("layer_wise_base_results.append((optimizer, init_state_fn))",)),),
+        make=_fp32_members,
     ),
     *rewrite(
         "layer-wise-fp32-save", "megatron.core.optimizer.layer_wise_optimizer",
