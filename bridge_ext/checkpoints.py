@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bridge_ext.errors import UserError
+from bridge_ext.stack import common_state_inside_checkpoint
 
 __all__ = [
     "TRACKER_PT",
@@ -70,6 +71,8 @@ def missing_files(iter_dir: str | Path) -> list[str]:
     # ckpt_format fsdp_dtensor is plain torch DCP: .metadata without Megatron's common.pt and metadata.json
     dcp_only = ".metadata" in names and not names & {"common.pt", "metadata.json"}
     weights = (".metadata",) if dcp_only else _TORCH_DIST_FILES
+    if "common.pt" not in names and common_state_inside_checkpoint():  # megatron-core 0.19 writes none
+        weights = tuple(name for name in weights if name != "common.pt")
     return [name for name in (*weights, *_RESUME_FILES) if name not in names]
 
 

@@ -15,12 +15,14 @@ import importlib.util
 import inspect
 from functools import cache
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "PACKAGES",
     "UpstreamDrift",
     "call_keywords",
+    "common_state_inside_checkpoint",
     "describe_stack",
     "expect_snippets",
     "have_transformer_engine",
@@ -101,6 +103,21 @@ def expect_snippets(module_name: str, snippets: tuple[str, ...], *, fix: str) ->
 def signature_params(function: Any) -> frozenset[str]:
     """Names of a callable's parameters."""
     return frozenset(inspect.signature(function).parameters)
+
+
+@cache
+def common_state_inside_checkpoint() -> bool:
+    """Whether the installed megatron-core keeps a torch_dist checkpoint's common (non-tensor) state inside the
+    torch DCP files (0.19: a "common_state" ShardedObject; ``common.pt`` only in checkpoints of older releases,
+    which it still reads) rather than in ``common.pt`` (0.16). Read from its ``dist_checkpointing/serialization.py``
+    without importing megatron.core."""
+    spec = importlib.util.find_spec("megatron")
+    for base in (spec.submodule_search_locations or ()) if spec is not None else ():
+        path = Path(base) / "core" / "dist_checkpointing" / "serialization.py"
+        if path.is_file():
+            source = path.read_text(encoding="utf-8")
+            return 'ShardedObject("common_state"' in source and "_legacy_common_state_exists(" in source
+    return False
 
 
 @cache
