@@ -338,10 +338,10 @@ def keep_helpers_with_trainer(*, start_now: bool = False) -> None:
     """No process outlives its trainer (idempotent; ``start_now``: start the save helpers already).
 
     megatron-core's torch_dist writer (``dist_checkpointing/strategies/filesystem_async.py``,
-    ``_get_write_results_queue``) starts a ``multiprocessing`` Manager server with the spawn method at the
-    first save, which in turn starts a resource tracker; a trainer killed with SIGKILL left both running
-    forever. The Manager is started here (and by the ``checkpoint-writer-dies-with-trainer`` patch) with
-    :func:`exit_with_parent` in its initializer instead, and every
+    ``_get_write_results_queue``, 0.17+ ``get_write_results_queue``) starts a ``multiprocessing`` Manager
+    server with the spawn method at the first save, which in turn starts a resource tracker; a trainer killed
+    with SIGKILL left both running forever. The Manager is started here (and by the
+    ``checkpoint-writer-dies-with-trainer`` patch) with :func:`exit_with_parent` in its initializer instead, and every
     process forked through ``multiprocessing`` (writer processes, data loader workers) gets the same. Started
     with the run (``start_now``), the Manager has imported torch by the first save: that import, on the first
     write result the server unpickles, made the first save seconds slower, a SIGTERM's save included.
@@ -354,7 +354,8 @@ def keep_helpers_with_trainer(*, start_now: bool = False) -> None:
             _after_fork_anchor, lambda _: exit_with_parent(getattr(multiprocessing.parent_process(), "pid", None)))
         _after_fork_anchor.registered = True
     writer = importlib.import_module(_WRITER)
-    factory = getattr(writer, "_get_write_results_queue", None)
+    factory = getattr(writer, "_get_write_results_queue", None) or \
+        getattr(writer, "get_write_results_queue", None)  # megatron-core 0.17+'s name
     if start_now and factory is not None and "Manager()" in inspect.getsource(inspect.unwrap(factory)):
         start_results_server()
 

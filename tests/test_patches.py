@@ -48,6 +48,14 @@ CPU_CODE_IN_CORE_0_19 = {"cuda-on-cpu megatron.training.models.dist_utils (the D
                          "cuda-on-cpu megatron.core.optimizer.layer_wise_optimizer "
                          "(the layer-wise grad-norm group flag)",
                          "layer-wise-fp32-members"}
+# megatron-core 0.17 (MB 0.4): the DDP stream in megatron-bridge's models/common/unimodal.py, the MoE tracker
+# still in moe_utils.py (tracker_num_layers), the legacy GroupedMLP removed, the per-rank all-gather buffers
+CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (the DDP wrapping's stream)",
+                         "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)",
+                         "layer-wise-all-gather-v (per-rank buffers)",
+                         "layer-wise-all-gather-v (per-rank buffers) (helper)"}
+# megatron-core 0.17+ names the torch_dist writer's results-queue factory get_write_results_queue (a Manager still)
+WRITER_QUEUE_PUBLIC = {"checkpoint-writer-dies-with-trainer (get_write_results_queue)"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
                          "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
@@ -56,10 +64,17 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
                          *CPU_CODE_IN_CORE_0_16},
+    # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
+    # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the
+    # SequentialMLP mappings and keeps local expert numbers (its export reads local_experts.<N> itself)
+    ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-sequential-expert-mappings",
+                         "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
+                         *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
     # set against it, matches param groups by every override key, writes results without a Manager of its own
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in
-                                                       MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19},
+                                                       MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
+                         *WRITER_QUEUE_PUBLIC},
 }
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
@@ -262,7 +277,16 @@ def _muon_with_own_names(params, *, momentum: float, nesterov: bool, tp_mode: st
 
 
 def test_megatron_core_call_sites_are_read_from_its_source():
+    from bridge_ext.stack import module_source
+
     module = _tensor_parallel_muon()[0]
+    if '{"tp_mode": mode_value} if HAVE_EO_V02 else {"mode": mode_value}' in module_source(module):
+        # megatron-core 0.17 picks emerging-optimizers' names itself (keyword dicts): no literal keyword for the
+        # kwarg fixes to find, so neither applies
+        assert not {"mode", "tp_mode"} & call_keywords(module, "newton_schulz_tp")
+        assert not {"use_nesterov", "nesterov"} & call_keywords(module, "__init__", inside="TensorParallelMuon")
+        assert not {"muon-nesterov-kwarg", "muon-tp-mode-kwarg"} & set(patches.applied_here())
+        return
     mode, nesterov = ("mode", "use_nesterov") if module.endswith(".muon") else ("tp_mode", "nesterov")
     assert mode in call_keywords(module, "newton_schulz_tp")
     assert nesterov in call_keywords(module, "__init__", inside="TensorParallelMuon")

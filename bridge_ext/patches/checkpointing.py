@@ -10,7 +10,8 @@ each relies on (matched by content) is here.
   can never load. Every module's reference to ``save_checkpoint`` and the three helpers it calls are wrapped
   so that the trackers are staged in the iteration directory and moved into place once it is complete.
 * ``checkpoint-writer-dies-with-trainer``: megatron-core ``dist_checkpointing/strategies/filesystem_async.py``
-  ``_get_write_results_queue`` starts a Manager server that outlives a trainer killed with SIGKILL.
+  ``_get_write_results_queue`` (0.17+: ``get_write_results_queue(mp_mode)``, one patch per name) starts a
+  Manager server that outlives a trainer killed with SIGKILL.
 * ``relayout-optimizer-load``: megatron-core ``dist_checkpointing.load`` merges the saved optimizer structure
   into the loading layout's: a resume with another expert-parallel size fails ("Cannot merge two lists").
 """
@@ -54,10 +55,10 @@ def _install_atomic_save() -> None:
 _WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
-def _writer_keeps_a_manager() -> bool:
+def _writer_keeps_a_manager(name: str = "_get_write_results_queue") -> bool:
     import inspect
 
-    factory = getattr(importlib.import_module(_WRITER), "_get_write_results_queue", None)
+    factory = getattr(importlib.import_module(_WRITER), name, None)
     return factory is not None and "Manager()" in inspect.getsource(inspect.unwrap(factory))
 
 
@@ -65,9 +66,9 @@ def _results_queue_with_our_server(factory: Callable) -> Callable:
     from bridge_ext.kill_safe import start_results_server
 
     @functools.wraps(factory)
-    def results_queue() -> Any:
+    def results_queue(*args: Any, **kwargs: Any) -> Any:  # megatron-core 0.17+: mp_mode=
         start_results_server()
-        return factory()
+        return factory(*args, **kwargs)
 
     return results_queue
 
@@ -104,6 +105,18 @@ PATCHES: tuple[Patch, ...] = (
         when="the installed writer starts a Manager of its own",
         needed=_writer_keeps_a_manager,
         snippets=("_results_queue = None",),
+        make=_results_queue_with_our_server,
+    ),
+    Patch(
+        name="checkpoint-writer-dies-with-trainer (get_write_results_queue)", area="checkpointing",
+        scope="checkpointing", module=_WRITER, attr="get_write_results_queue",
+        upstream="megatron/core/dist_checkpointing/strategies/filesystem_async.py get_write_results_queue "
+                 "(megatron-core 0.17+'s name; Megatron Bridge saves with async_strategy='mcore', this writer)",
+        why="its Manager server (and resource tracker) outlived a trainer killed with SIGKILL; ours is started "
+            "with PR_SET_PDEATHSIG (bridge_ext.kill_safe.start_results_server)",
+        when="the installed writer's get_write_results_queue starts a Manager of its own",
+        needed=lambda: _writer_keeps_a_manager("get_write_results_queue"),
+        snippets=("_results_queue = None", "self.results_queue = get_write_results_queue()"),
         make=_results_queue_with_our_server,
     ),
     Patch(
