@@ -66,8 +66,8 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
                          *CPU_CODE_IN_CORE_0_16},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
     # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the
-    # SequentialMLP mappings and keeps local expert numbers (its export reads local_experts.<N> itself)
-    ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-sequential-expert-mappings",
+    # SequentialMLP and expert-bias mappings, local expert numbers stay local (its export reads local_experts.<N>)
+    ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient

@@ -2,8 +2,8 @@
 Engine) in Megatron Bridge's HF <-> Megatron conversion.
 
 * ``deepseek-sequential-expert-mappings``: the DeepSeek-V3 bridge (Kimi K2's) maps only grouped-GEMM expert names.
-* ``kimi-k2-sequential-expert-mappings``: the same for megatron-bridge >= 0.4's own ``KimiK2Bridge``, where its
-  DeepSeek mapping list lacks them (0.4.2).
+* ``kimi-k2-bridge-mappings``: the same for megatron-bridge >= 0.4's own ``KimiK2Bridge``, and its router's
+  expert bias, where its DeepSeek mapping list lacks them (0.4.2).
 * ``sequential-expert-export``: exporting ``local_experts.<N>`` fails on ``int('')``; with EP > 1 experts are
   gathered with their global numbers.
 * ``sequential-expert-numbers``: under EP > 1 a SequentialMLP expert keeps its local number.
@@ -149,21 +149,45 @@ def _local_experts_keep_local_numbers() -> bool:
     return "local_experts" not in inspect.getsource(function)
 
 
-_SEQUENTIAL_FC = ("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                  "decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight")
+# What KimiK2Bridge must map beyond grouped-GEMM experts: SequentialMLP experts, and the router's expert bias
+# (the bridge turns moe_router_enable_expert_bias on; 0.4.2 maps the bias only in DeepSeekV3Bridge's own list).
+_EXPERT_BIAS = ("decoder.layers.*.mlp.router.expert_bias", "model.layers.*.mlp.gate.e_score_correction_bias")
+_KIMI_K2_NEEDS = ("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                  "decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight", _EXPERT_BIAS[0])
 
 
-def _kimi_k2_bridge_lacks_sequential_mappings() -> bool:
-    """Whether Megatron Bridge has ``KimiK2Bridge`` (0.3: ``models/kimi/`` holds only a provider) and its mappings
-    lack the SequentialMLP names (0.4.2's ``deepseek/common.py``; 0.6's has them)."""
+def _kimi_k2_mapping_names() -> set[str] | None:
+    """The Megatron names ``KimiK2Bridge`` maps; None without it (0.3: ``models/kimi/`` holds only a provider)."""
     if importlib.util.find_spec(_KIMI_BRIDGE) is None:
-        return False
+        return None
     bridge = importlib.import_module(_KIMI_BRIDGE).KimiK2Bridge
     try:  # its mapping_registry reads no instance state (0.4.2, 0.6.0); if one ever does, patch (adds only gaps)
-        names = {m.megatron_param for m in bridge.mapping_registry(bridge.__new__(bridge)).mappings}
+        return {m.megatron_param for m in bridge.mapping_registry(bridge.__new__(bridge)).mappings}
     except AttributeError:
-        return True
-    return not set(_SEQUENTIAL_FC) <= names
+        return set()
+
+
+def _kimi_k2_bridge_lacks_mappings() -> bool:
+    names = _kimi_k2_mapping_names()
+    return names is not None and not set(_KIMI_K2_NEEDS) <= names
+
+
+def _with_kimi_k2_mappings(original: Callable) -> Callable:
+    """``KimiK2Bridge.mapping_registry`` with the SequentialMLP expert names and the router's expert bias
+    (``e_score_correction_bias``), each only where the bridge lacks it."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    with_experts = _with_sequential_expert_mappings(original)
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        registry = with_experts(self)
+        if _EXPERT_BIAS[0] in {m.megatron_param for m in registry.mappings}:
+            return registry
+        bias = AutoMapping(megatron_param=_EXPERT_BIAS[0], hf_param=_EXPERT_BIAS[1])
+        return MegatronMappingRegistry(*registry.mappings, bias)
+
+    return mapping_registry
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -176,13 +200,14 @@ PATCHES: tuple[Patch, ...] = (
         make=_with_sequential_expert_mappings,
     ),
     Patch(
-        name="kimi-k2-sequential-expert-mappings", area="conversion", scope="conversion",
+        name="kimi-k2-bridge-mappings", area="conversion", scope="conversion",
         module=_KIMI_BRIDGE, attr="KimiK2Bridge.mapping_registry",
-        upstream="megatron/bridge/models/kimi/kimi_bridge.py: deepseek/common.py's grouped-GEMM expert mappings only",
-        why="SequentialMLP experts (local_experts.<N>) would be skipped with a warning: neither loaded nor exported",
-        when="where Megatron Bridge's KimiK2Bridge (0.4+) lacks the SequentialMLP mappings (0.4; 0.6 has them)",
-        needed=_kimi_k2_bridge_lacks_sequential_mappings,
-        make=_with_sequential_expert_mappings,
+        upstream="megatron/bridge/models/kimi/kimi_bridge.py KimiK2Bridge.mapping_registry: deepseek/common.py's list",
+        why="SequentialMLP experts and the router's expert bias (e_score_correction_bias) are unmapped: skipped with "
+            "a warning, neither loaded nor exported",
+        when="where Megatron Bridge's KimiK2Bridge (0.4+) lacks those mappings (0.4.2; 0.6 has them)",
+        needed=_kimi_k2_bridge_lacks_mappings,
+        make=_with_kimi_k2_mappings,
     ),
     Patch(
         name="sequential-expert-export", area="conversion", scope="conversion",
