@@ -203,6 +203,7 @@ def build_config(recipe: Recipe, *, layout: str | None = None, yaml_path: str | 
     from bridge_ext.overrides import apply_user_overrides, set_dotted
 
     cfg = template(recipe, layout=layout)
+    patches.apply("config")  # the YAML this config writes can be read back (yaml-signal-target)
     for dotted, value in recipe.overrides.items():
         set_dotted(cfg, dotted, value)
     explicit: set[str] = set()

@@ -156,6 +156,9 @@ def apply_user_overrides(cfg: ConfigContainer, *, yaml_path: str | Path | None =
     from megatron.bridge.utils.instantiate_utils import instantiate
     from omegaconf import OmegaConf
 
+    from bridge_ext import patches
+
+    patches.apply("config")  # the _target_s our own YAML holds are instantiable (yaml-signal-target)
     overrides = list(overrides)
     if yaml_path is None and not overrides:
         return set()

@@ -69,7 +69,7 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     # SequentialMLP and expert-bias mappings, local expert numbers stay local (its export reads local_experts.<N>)
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
-                         *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC},
+                         *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target"},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
     # set against it, matches param groups by every override key, writes results without a Manager of its own
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in

@@ -237,7 +237,7 @@ def stack_lines(*, muon: bool, lora: bool) -> list[str]:
     from bridge_ext.patches import applied_here
     from bridge_ext.stack import describe_stack
 
-    scopes = ["import", "stack", "checkpointing"]
+    scopes = ["import", "config", "stack", "checkpointing"]
     scopes += ["muon"] * muon + ["lora"] * lora + ["lora-muon"] * (lora and muon) + ["cpu"] * cpu_mode_active()
     fixes = applied_here(scopes)
     return [f"stack       {describe_stack()}",

@@ -28,8 +28,10 @@ __all__ = ["Area", "Patch", "Scope", "Snippet", "always", "one_of", "owner_of", 
 Area = Literal["optimizer", "training", "checkpointing", "conversion", "import", "cpu"]
 # When it is applied (``patches.apply(scope)``): at import of bridge_ext, on every run (stack fixes), when a
 # Muon preset is installed, for LoRA, around checkpoint saves and loads, for conversion, in CPU mode, and
-# for the duration of a dry run's validation (``patches.temporarily("dryrun")``).
-Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun"]
+# for the duration of a dry run's validation (``patches.temporarily("dryrun")``), before user YAML is read
+# into a config (``config``).
+Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun",
+                "config"]
 
 
 # Code a patch relies on: one exact text, or a tuple of alternatives (:func:`one_of`).

@@ -9,6 +9,11 @@
   megatron-core's scheduler asserts at launch. Applies on 0.3.0 (the container's); skipped on 0.3.1.
 * ``validate-without-gpu`` (``dryrun``, only for the duration of a dry run's ``validate()``): the flex
   dispatcher check reads ``torch.cuda.get_device_properties(0)``; skipped when no GPU is visible.
+* ``yaml-signal-target`` (``config``, applied before user YAML is instantiated): megatron-bridge 0.4 ``utils/instantiate_utils.py`` instantiates only
+  ``_target_`` values under an allow-list of module prefixes, which lacks ``signal.``; ``train.exit_signal`` (a
+  ``signal.Signals``) is written as ``_target_: signal.Signals`` by its own YAML representers, so a ``--yaml``
+  that changes it could not be read back. ``signal.Signals`` is registered through upstream's
+  ``register_allowed_target_prefix``, where the installed allow-list refuses it (0.3 has none).
 """
 
 from __future__ import annotations
@@ -85,6 +90,31 @@ def _no_gpu() -> bool:
     return not torch.cuda.is_available()
 
 
+# --- megatron-bridge 0.4 utils/instantiate_utils.py: the _target_ allow-list ---------------------------------
+_INSTANTIATE = "megatron.bridge.utils.instantiate_utils"
+_SIGNALS = "signal.Signals"  # what safe_yaml_representers' enum representer writes for train.exit_signal
+_registered: set[str] = set()  # what we added to the allow-list (upstream's answer, not ours, decides)
+
+
+def _signals_refused() -> bool:
+    """Whether the installed instantiate refuses ``signal.Signals`` (asked of its own prefix check)."""
+    if _SIGNALS in _registered:
+        return True
+    check = getattr(importlib.import_module(_INSTANTIATE), "_validate_target_prefix", None)
+    if check is None:
+        return False  # no allow-list (megatron-bridge 0.3)
+    try:
+        check(target=_SIGNALS, full_key="")
+    except Exception:  # InstantiationException
+        return True
+    return False
+
+
+def _allow_signals() -> None:
+    importlib.import_module(_INSTANTIATE).register_allowed_target_prefix(_SIGNALS)
+    _registered.add(_SIGNALS)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers", area="training", scope="stack",
@@ -116,5 +146,18 @@ PATCHES: tuple[Patch, ...] = (
         snippets=("validate_flex_dispatcher_backend(self.model)",),
         elsewhere=(("megatron.bridge.training.flex_dispatcher_backend", ("torch.cuda.get_device_properties(0)",)),),
         make=lambda old: (lambda model_config: None),
+    ),
+    Patch(
+        name="yaml-signal-target", area="training", scope="config",
+        module=_INSTANTIATE, attr="register_allowed_target_prefix",
+        upstream="megatron/bridge/utils/instantiate_utils.py _validate_target_prefix (_ALLOWED_TARGET_PREFIXES), "
+                 "called by instantiate",
+        why="train.exit_signal is written as `_target_: signal.Signals` (utils/yaml_utils.py's enum representer) "
+            "and the allow-list refuses it: a --yaml that sets it cannot be read back; signal.Signals is added "
+            "through upstream's register_allowed_target_prefix",
+        when="the installed instantiate's allow-list refuses signal.Signals",
+        needed=_signals_refused,
+        snippets=("_ALLOWED_TARGET_PREFIXES.add(prefix)", "_validate_target_prefix(target=target, full_key=full_key)"),
+        install=_allow_signals,
     ),
 )
