@@ -9,10 +9,11 @@
   megatron-core's scheduler asserts at launch. Applies on 0.3.0 (the container's); skipped on 0.3.1.
 * ``validate-without-gpu`` (``dryrun``, only for the duration of a dry run's ``validate()``): the flex
   dispatcher check reads ``torch.cuda.get_device_properties(0)``; skipped when no GPU is visible.
-* ``yaml-signal-target`` (``config``, applied before user YAML is instantiated): megatron-bridge 0.4 ``utils/instantiate_utils.py`` instantiates only
-  ``_target_`` values under an allow-list of module prefixes, which lacks ``signal.``; ``train.exit_signal`` (a
-  ``signal.Signals``) is written as ``_target_: signal.Signals`` by its own YAML representers, so a ``--yaml``
-  that changes it could not be read back. ``signal.Signals`` is registered through upstream's
+* ``yaml-signal-target`` (``config``, applied before user YAML is instantiated): megatron-bridge 0.4
+  ``utils/instantiate_utils.py`` instantiates only ``_target_`` values under an allow-list of module
+  prefixes, which lacks ``signal.``; ``train.exit_signal`` (a ``signal.Signals``) is written as
+  ``_target_: signal.Signals`` by its own YAML representers, so its own ``ConfigContainer.from_yaml`` and a
+  ``--yaml`` that changes it could not read it back. ``signal.Signals`` is registered through upstream's
   ``register_allowed_target_prefix``, where the installed allow-list refuses it (0.3 has none).
 """
 
