@@ -7,6 +7,7 @@ import hashlib
 import re
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def test_the_venv_holds_exactly_its_lock():
     platform = REQ / f"stack-{stack}-platform.txt"
     if platform.exists():
         wanted |= _pins(platform)
-    installed = {_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # Only the venv's own site-packages: setuptools puts its vendored copies (packaging, zipp, ...) on sys.path.
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=site)}
     assert {n: (v, installed.get(n)) for n, v in wanted.items() if installed.get(n) != v} == {}
 
 
