@@ -56,9 +56,14 @@ define MAKE_VENV
 	@$(PY) $(PY312_CHECK) || { echo "error: $(VENV) is not Python 3.12; remove it (make clean) and retry"; exit 2; }
 endef
 
-# Pass 3 (see PLATFORM_REQS); a no-op for stacks without a platform file.
+# Pass 3 (see PLATFORM_REQS); a no-op for stacks without a platform file, and offline when every pin is installed.
+PLATFORM_INSTALLED := -c 'import re, sys; from importlib.metadata import version; \
+  pins = [m for line in open(sys.argv[1]) if (m := re.match(r"([A-Za-z0-9_.-]+)==([^\s;]+)", line))]; \
+  sys.exit(any(version(m[1]) != m[2] for m in pins))'
 define PLATFORM_PASS
-	@if [ -f $(PLATFORM_REQS) ]; then set -e; \
+	@if [ -f $(PLATFORM_REQS) ] && $(PY) $(PLATFORM_INSTALLED) $(PLATFORM_REQS) 2>/dev/null; then \
+	  echo "pass 3: $(PLATFORM_PKGS) already installed as pinned"; \
+	elif [ -f $(PLATFORM_REQS) ]; then set -e; \
 	  rm -rf $(VENV)/platform-wheels; \
 	  echo "pass 3: $(PLATFORM_PKGS) (wheels for $(PLATFORM), installed unmodified)"; \
 	  $(PY) -m pip download --no-deps --only-binary=:all: --platform $(PLATFORM) --implementation cp \
