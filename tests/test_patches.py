@@ -72,6 +72,15 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target"},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
     # set against it, matches param groups by every override key, writes results without a Manager of its own
+    # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes
+    # (the DDP stream in megatron/training/models/dist_utils.py, per-rank all-gather buffers, fp32 layer-wise
+    # members), but still matches param groups by four keys; MB 0.5's KimiK2Bridge lacks the expert mappings
+    ("0.5.1", "0.2.0"): {"prebuilt-dataset-helpers", "kimi-k2-bridge-mappings", "layer-wise-fp32-members",
+                         *{f"{name} (emerging_optimizers)" for name in MUON_IN_OPTIMIZER_MUON_PY},
+                         "cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
+                         "layer-wise-all-gather-v (per-rank buffers)",
+                         "layer-wise-all-gather-v (per-rank buffers) (helper)", *PARAM_GROUPS_BY_FOUR_KEYS,
+                         *WRITER_QUEUE_PUBLIC},
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in
                                                        MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
                          *WRITER_QUEUE_PUBLIC},
