@@ -1,8 +1,12 @@
-"""Shared fixtures: CPU mode for tests that build or train Megatron models."""
+"""Shared fixtures: CPU mode for tests that build or train Megatron models; the `nemo` command in this process."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+
+from tests.nemo_cli import call_nemo
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +19,14 @@ def cpu_mode():
     enable_cpu_mode()
     torch.set_num_threads(1)  # tiny models: one thread is faster and steadier on a shared 2-core machine
     yield
+
+
+@pytest.fixture
+def nemo(request):
+    """``nemo(argv, cwd=None, env=None) -> Result(code, stdout, stderr)``: the command in this process
+    (tests/nemo_cli.py), its output through the test's ``capsys`` where it uses that, else ``capfd``."""
+    capture = request.getfixturevalue("capsys" if "capsys" in request.fixturenames else "capfd")
+    return functools.partial(call_nemo, capture=capture)
 
 
 def pytest_collection_modifyitems(config, items):

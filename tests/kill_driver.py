@@ -1,19 +1,15 @@
-"""Test driver for tests/test_kill_safe.py: runs ``nemo llm ...`` commands in forked children of one process that
-has already imported the stack (a fresh interpreter per command would spend most of the test importing), and
-signals a child at a chosen moment of a checkpoint save, the way a scheduler or a node failure would.
+"""Test driver for tests/test_kill_safe.py: ``nemo ARGV`` in this (real) process, which signals itself at a
+chosen moment of a checkpoint save, the way a scheduler or a node failure would::
+
+    python tests/kill_driver.py EVENTS_JSON llm pretrain ...
+
+    EVENTS_JSON: [{"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},   # a file of iter_0000004
+                  {"step": 5, "signal": "TERM"}]                                    # when iteration 5 starts
 
 Test code only: the moments are found with a Python audit hook (files opened for writing, renames), and the
-start of an iteration with a wrapper around Megatron Bridge's ``train_step``, installed in the child.
-
-stdin, one JSON object per line::
-
-    {"argv": ["llm", "pretrain", ...], "cwd": DIR, "log": FILE,
-     "events": [{"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},   # a file of iter_0000004
-                {"step": 5, "signal": "TERM"}]}                                    # when iteration 5 starts
-
-stdout, one JSON object per line: ``{"status": exit code or -signal, "fired": [...], "survivors": [...],
-"seconds": s, "reaped_after": s}``; ``survivors``: processes of the child's session still alive 20 s after it
-ended (zombies are dead and do not count); ``reaped_after``: how long after it ended the last one was alive.
+start of an iteration with a wrapper around Megatron Bridge's ``train_step``. Each event fired is one
+``FIRED {json}`` line on stderr. The process then ends as ``nemo`` would: with the command's exit code, or
+killed by the signal.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 
 def _names(path: str) -> set[str]:
@@ -40,7 +35,7 @@ def _install(events: list[dict]) -> None:
 
     def fire(event: dict) -> None:
         pending.remove(event)
-        os.write(2, f"FIRED {json.dumps(event)}\n".encode())  # the log tells the parent what happened
+        os.write(2, f"FIRED {json.dumps(event)}\n".encode())  # unbuffered: the log has it before the signal lands
         os.kill(trainer, getattr(signal, f"SIG{event['signal']}"))
 
     def audit(name: str, args: tuple) -> None:
@@ -69,76 +64,14 @@ def _install(events: list[dict]) -> None:
     train.train_step = train_step
 
 
-def _child(request: dict) -> None:
-    os.setsid()  # its helper processes stay in this session, so the parent can look for survivors
-    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.chdir(request.get("cwd") or ".")
-    _install(request.get("events", []))
-    from bridge_ext.commands import main
+def main(events: str, argv: list[str]) -> int:
+    import bridge_ext  # noqa: F401  (its import-time patches come before Megatron Bridge's modules are imported)
 
-    try:
-        code = main(request["argv"])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        import traceback
+    _install(json.loads(events))
+    from bridge_ext.commands import main as nemo
 
-        traceback.print_exc()
-        code = 1
-    import atexit
-
-    atexit._run_exitfuncs()  # multiprocessing's finalizers (a forked child skips them with os._exit)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
-
-
-def _session(sid: int) -> list[str]:
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    dead = f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, waiting for init to reap it
-                if os.getsid(int(entry)) == sid and not dead:
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        alive.append(f"{entry}: {f.read().replace(b'\0', b' ').decode(errors='replace')[:200]}")
-            except (ProcessLookupError, FileNotFoundError, PermissionError):
-                continue
-    return alive
-
-
-def main() -> None:
-    # Import what every command needs once; the children start from here.
-    import bridge_ext.commands  # noqa: F401
-    import bridge_ext.training  # noqa: F401
-    import megatron.bridge.training.gpt_step  # noqa: F401
-    import megatron.bridge.training.pretrain  # noqa: F401
-    from bridge_ext.build import quiet_megatron
-
-    quiet_megatron()
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        start = time.monotonic()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        ran = time.monotonic() - start
-        deadline = time.monotonic() + 20
-        while (survivors := _session(pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with open(request["log"]) as f:
-            fired = [json.loads(line.split("FIRED ", 1)[1]) for line in f if line.startswith("FIRED ")]
-        print(json.dumps({"status": code, "fired": fired, "survivors": survivors, "seconds": round(ran, 2),
-                          "reaped_after": round(time.monotonic() - start - ran, 2)}), flush=True)
+    return nemo(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

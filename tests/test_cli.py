@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +9,8 @@ import yaml
 
 from bridge_ext import commands
 from bridge_ext.errors import UserError
+from tests.nemo_cli import nemo_process
 from tests.stack_shapes import config_differences
-from tests.warm_cli import run_nemo
-
-NEMO = str(Path(sys.executable).with_name("nemo"))
 
 
 def run_main(capsys, *argv):
@@ -139,9 +135,9 @@ def nemo_run_llm_group(tmp_path):
 def test_nemo_run_factory_command_reaches_nemo_run_unchanged(nemo_run_llm_group, tmp_path):
     """`nemo llm pretrain --factory NAME key=value` (no --recipe) runs NeMo-Run's own CLI: the factory's
     values, then the override, as NeMo-Run resolves them."""
-    result = subprocess.run([NEMO, "llm", "pretrain", "--factory", "tiny", "name=override", "--yes"],
-                            capture_output=True, text=True, env=nemo_run_llm_group, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = nemo_process(["llm", "pretrain", "--factory", "tiny", "name=override", "--yes"], env=nemo_run_llm_group,
+                          timeout=300)
+    assert result.code == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "out.json").read_text()) == {"max_steps": 7, "name": "override"}
 
 
@@ -150,20 +146,19 @@ def test_nemo_run_factory_command_reaches_nemo_run_unchanged(nemo_run_llm_group,
 def test_nemo_run_commands_and_help_come_from_nemo_run(nemo_run_llm_group):
     from nemo_run.cli import experiment
 
-    result = subprocess.run([NEMO, "experiment", "--help"], capture_output=True, text=True,
-                            env={**nemo_run_llm_group, "COLUMNS": "200"}, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = nemo_process(["experiment", "--help"], env={**nemo_run_llm_group, "COLUMNS": "200"}, timeout=300)
+    assert result.code == 0, result.stderr[-2000:]
     commands = [command.name or command.callback.__name__ for command in experiment.create().registered_commands]
     assert commands and all(name in result.stdout for name in commands), (commands, result.stdout)
     # our own commands stay ours, even with NeMo-Run's `llm` group installed
-    ours = subprocess.run([NEMO, "llm", "recipes"], capture_output=True, text=True, env=nemo_run_llm_group)
-    assert ours.returncode == 0 and ours.stdout.startswith("recipe ")
+    ours = nemo_process(["llm", "recipes"], env=nemo_run_llm_group)
+    assert ours.code == 0 and ours.stdout.startswith("recipe ")
 
 
 @pytest.mark.slow
-def test_dryrun_of_kimi_k2_prints_summary_and_the_shipped_yaml():
-    result = run_nemo(["llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun"])
-    assert result.returncode == 0, result.stderr
+def test_dryrun_of_kimi_k2_prints_summary_and_the_shipped_yaml(nemo):
+    result = nemo(["llm", "pretrain", "--recipe", "kimi_k2_muon", "--dryrun"])
+    assert result.code == 0, result.stderr
     summary, _, resolved = result.stdout.partition("---\n")
     assert "TP1 PP4 VP4 EP64 ETP1 CP1 DP64 on 256 GPUs" in summary
     assert "dist_muon" in summary and "nesterov=True" in summary  # (use_)nesterov: the installed release's name
@@ -299,14 +294,14 @@ def test_info_with_another_preset(capsys):
 
 
 @pytest.mark.slow
-def test_cpu_pretrain_on_text_writes_checkpoint_and_loss_curve(tmp_path):
+def test_cpu_pretrain_on_text_writes_checkpoint_and_loss_curve(nemo, tmp_path):
     """`nemo llm pretrain` of a proxy with no GPU: real text, checkpoint, TensorBoard log and loss curve."""
     run = tmp_path / "run"
-    result = run_nemo(
+    result = nemo(
         ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--device", "cpu", "train.train_iters=12",
          f"checkpoint.save={run}/ckpt", f"checkpoint.load={run}/ckpt", f"logger.tensorboard_dir={run}/tb"],
         cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.code == 0, result.stderr[-2000:]
     assert "CPU mode" in result.stderr and "data: " in result.stderr and "stdlib" in result.stderr
     assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
     losses = [json.loads(line) for line in (run / "ckpt" / "losses.jsonl").read_text().splitlines()]
@@ -368,25 +363,25 @@ def test_kimi_k2_trains_the_real_router_and_the_bench_layout_says_why(capsys):
 
 
 @pytest.mark.slow
-def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(tmp_path):
+def test_a_real_run_shows_megatrons_warnings_once_and_the_dry_run_does_not(nemo, tmp_path):
     """qwen3_proxy_muon for 2 iterations: its 5 warm-up iterations x GBS 8 = 40 samples exceed the 2 x 8 = 16
     of the whole run, which Megatron Bridge warns about (and caps); a user needs to see that."""
-    argv = [sys.executable, "-m", "bridge_ext.commands", "llm", "pretrain", "--recipe", "qwen3_proxy_muon",
-            "train.train_iters=2", "--data", "mock"]
+    argv = ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "train.train_iters=2", "--data", "mock"]
     warning = "lr_warmup_steps (40) >= lr_decay_steps (16)"
-    dry = subprocess.run([*argv, "--dryrun"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert dry.returncode == 0 and "Warning" not in dry.stderr, dry.stderr[-2000:]
-    real = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert real.returncode == 0, real.stderr[-2000:]
+    dry = nemo_process([*argv, "--dryrun"], cwd=tmp_path, timeout=600)
+    assert dry.code == 0 and "Warning" not in dry.stderr, dry.stderr[-2000:]
+    real = nemo_process(argv, cwd=tmp_path, timeout=600)
+    assert real.code == 0, real.stderr[-2000:]
     assert real.stderr.count(warning) == 1, real.stderr[-4000:]
-    # the same command forked from the tests' warm process (run_nemo) computes the same losses, bit for bit
-    (tmp_path / "warm").mkdir()
-    warm = run_nemo(argv[3:], cwd=tmp_path / "warm")
-    assert warm.returncode == 0, warm.stderr[-2000:]
+    # the same command in the test process (the `nemo` fixture, after another run there) computes the same
+    # losses, bit for bit
+    for name in ("in_process", "again"):
+        (tmp_path / name).mkdir()
+        assert nemo(argv, cwd=tmp_path / name).code == 0
     records = [map(json.loads, (cwd / "nemo_experiments" / "qwen3_proxy_muon" / "checkpoints" / "losses.jsonl")
-                   .read_text().splitlines()) for cwd in (tmp_path, tmp_path / "warm")]
+                   .read_text().splitlines()) for cwd in (tmp_path, tmp_path / "in_process", tmp_path / "again")]
     losses = [[r["loss"] for r in run if "loss" in r] for run in records]
-    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
+    assert len(losses[0]) == 2 and losses[0] == losses[1] == losses[2], losses
     # each of Megatron's messages once (without Apex, megatron-core raises "Apex is not installed. Falling back
     # to Torch Norm" from four modules)
     megatron = [line.split("Warning: ", 1)[1] for line in real.stderr.splitlines()

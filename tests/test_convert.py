@@ -10,10 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +23,9 @@ from bridge_ext.convert.model import _bridge_for, _prepare_runtime
 from bridge_ext.convert.parallel import _distributed, _init_parallel
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
-from tests.warm_cli import run_nemo
+from tests.nemo_cli import nemo_process, start_nemo
 
 REPO = Path(__file__).resolve().parents[1]
-NEMO = Path(sys.executable).with_name("nemo")  # the venv under test (each stack has its own)
 FP32_TOLERANCE = 1e-5  # the issue's bar for tiny models in fp32
 
 
@@ -134,12 +131,9 @@ def test_cli_bad_input_is_one_line_exit_2_and_fast(tmp_path):
     import time
 
     start = time.perf_counter()
-    result = subprocess.run(
-        [str(NEMO), "llm", "import", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    result = nemo_process(["llm", "import", "--hf", tmp_path / "nope", "--out", tmp_path / "out"], timeout=60)
     assert time.perf_counter() - start < 5  # validation comes before torch / Megatron are imported (~0.4 s idle)
-    assert result.returncode == 2
+    assert result.code == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "does not exist" in lines[0], result.stderr
     assert_nothing_written(tmp_path / "out")
@@ -746,7 +740,7 @@ def test_export_of_a_training_run_latest_and_chosen_iteration(training_run, qwen
 
 
 @pytest.mark.slow
-def test_import_pretrain_export_cycle_with_a_recipe(tmp_path):
+def test_import_pretrain_export_cycle_with_a_recipe(nemo, tmp_path):
     """HF -> import -> `nemo llm pretrain --recipe kimi_k2_proxy_muon checkpoint.pretrained_checkpoint=...`
     (Muon, CPU, lr 0, expert-bias updates off) -> export with no hints -> the same HF weights, bit for bit.
 
@@ -763,15 +757,15 @@ def test_import_pretrain_export_cycle_with_a_recipe(tmp_path):
     raw = json.loads(shipped.read_text())
     hf = hf_fixtures.write_hf_dir(tmp_path / "hf", raw, dtype=raw["torch_dtype"], config_json=raw, seed=5)
     import_hf(hf, tmp_path / "mg", progress=False, console=None)
-    result = run_nemo(
+    result = nemo(
         ["llm", "pretrain", "--recipe", "kimi_k2_proxy_muon", "train.train_iters=2",
          # lr 0 freezes the weights; the expert-score bias moves at its own rate (aux-loss-free balancing)
          "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
          f"checkpoint.pretrained_checkpoint={tmp_path / 'mg'}",
          f"checkpoint.save={tmp_path / 'run'}", "checkpoint.save_interval=2"],
-        timeout=400, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=tmp_path,
+        cwd=tmp_path,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.code == 0, result.stderr[-3000:]
     assert f"successfully loaded checkpoint from {tmp_path / 'mg'}" in result.stdout + result.stderr
     iter_dir, number = find_iteration(tmp_path / "run")
     assert number == 2
@@ -793,10 +787,8 @@ def test_sigterm_during_import_leaves_nothing(qwen3_hf, tmp_path):
     import time
 
     target = tmp_path / "out"
-    proc = subprocess.Popen(
-        [str(NEMO), "llm", "import", "--hf", str(qwen3_hf), "--out", str(target)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_nemo(["llm", "import", "--hf", qwen3_hf, "--out", target], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()):
         assert proc.poll() is None and time.monotonic() < deadline, "import ended before its staging directory appeared"
@@ -808,13 +800,12 @@ def test_sigterm_during_import_leaves_nothing(qwen3_hf, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_import_verify_and_export(qwen3_hf, tmp_path):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    result = run_nemo(["llm", "import", "--hf", qwen3_hf, "--out", tmp_path / "mg", "--verify"], timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_cli_import_verify_and_export(nemo, qwen3_hf, tmp_path):
+    result = nemo(["llm", "import", "--hf", qwen3_hf, "--out", tmp_path / "mg", "--verify"])
+    assert result.code == 0, result.stderr[-3000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("import: 25 tensors") and "verified: max |logit diff|" in last, result.stdout
-    result = run_nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf"], timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf"])
+    assert result.code == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("export: 25 tensors")
     assert all(load_all(tmp_path / "hf")[k].equal(v) for k, v in load_all(qwen3_hf).items())

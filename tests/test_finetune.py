@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +16,7 @@ import pytest
 
 from bridge_ext import commands
 from bridge_ext.errors import UserError
-from tests.warm_cli import run_nemo
+from tests.nemo_cli import Result, call_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY_TOKENIZER = ROOT / "recipes" / "tokenizer"
@@ -234,9 +234,9 @@ def test_dryrun_validates_the_full_config(tmp_path, capsys, recipe, shown):
 
 
 # ------------------------------------------------------------------------------------ training (CPU proxies)
-def _run(argv: list[str], *, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    result = run_nemo(["llm", *argv], cwd=cwd, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _run(nemo, argv: list[str], *, cwd: Path) -> Result:
+    result = nemo(["llm", *argv], cwd=cwd)
+    assert result.code == 0, result.stderr[-3000:]
     return result
 
 
@@ -244,14 +244,15 @@ def _run(argv: list[str], *, cwd: Path, timeout: int = 900) -> subprocess.Comple
 def proxy_ckpt(tmp_path_factory):
     """A Qwen3 proxy pre-trained by its own recipe (10 iterations): what the proxies fine-tune."""
     work = tmp_path_factory.mktemp("pretrain")
-    _run(["pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={work}/q", f"checkpoint.load={work}/q",
-          "train.train_iters=10", "checkpoint.save_interval=10"], cwd=work)
+    in_process = partial(call_nemo, capture=None)  # a module's fixture: the output stays in pytest's report
+    _run(in_process, ["pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={work}/q",
+                      f"checkpoint.load={work}/q", "train.train_iters=10", "checkpoint.save_interval=10"], cwd=work)
     return work / "q"
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
+def test_sft_eval_loss_falls_and_resume_is_bit_exact(nemo, proxy_ckpt, tmp_path):
     from bridge_ext.finetune.run import read_eval
     from bridge_ext.training import read_losses
 
@@ -259,7 +260,7 @@ def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
     argv = ["finetune", "--recipe", "qwen3_proxy_sft_muon", "--data", "stdlib-signatures",
             f"checkpoint.pretrained_checkpoint={proxy_ckpt}", f"checkpoint.save={run}", f"checkpoint.load={run}",
             "train.train_iters=20", "checkpoint.save_interval=10", "train.eval_interval=10"]
-    result = _run(argv, cwd=tmp_path)
+    result = _run(nemo, argv, cwd=tmp_path)
     assert "eval loss (held-out)" in result.stdout
     evals = read_eval(run / "eval.jsonl")  # iteration 10, 20, then the final pass (20 again: same 64 records)
     assert list(evals) == [10, 20] and evals[20] < evals[10] - 0.05, evals
@@ -270,7 +271,7 @@ def test_sft_eval_loss_falls_and_resume_is_bit_exact(proxy_ckpt, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("iter_0000020", "*.jsonl", "latest_train_state.pt"))
     (resumed / "latest_checkpointed_iteration.txt").write_text("10")
-    _run([*argv[:-4], f"checkpoint.save={resumed}", f"checkpoint.load={resumed}", *argv[-3:]], cwd=tmp_path)
+    _run(nemo, [*argv[:-4], f"checkpoint.save={resumed}", f"checkpoint.load={resumed}", *argv[-3:]], cwd=tmp_path)
     again = read_losses(resumed / "losses.jsonl")
     assert list(again) == list(range(11, 21))
     assert again == {i: losses[i] for i in range(11, 21)}
@@ -438,7 +439,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
+def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(nemo, tmp_path):
     """MuonClip fine-tuning of the Kimi K2 proxy (MLA, no QK-norm): QK-clip on, the max attention logit logged."""
     import math
     import re
@@ -446,12 +447,12 @@ def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
     import yaml
 
     base, run = tmp_path / "kimi", tmp_path / "kimi_sft"
-    _run(["pretrain", "--recipe", "kimi_k2_proxy_muon", f"checkpoint.save={base}", f"checkpoint.load={base}",
-          "train.train_iters=2", "checkpoint.save_interval=2"], cwd=tmp_path)
-    result = _run(["finetune", "--recipe", "kimi_k2_proxy_sft_muon", "--data", "stdlib-signatures",
-                   f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={run}", f"checkpoint.load={run}",
-                   "train.train_iters=5", "logger.log_interval=5", "train.eval_interval=5", "train.eval_iters=1",
-                   "checkpoint.save_interval=5"], cwd=tmp_path)
+    _run(nemo, ["pretrain", "--recipe", "kimi_k2_proxy_muon", f"checkpoint.save={base}", f"checkpoint.load={base}",
+                "train.train_iters=2", "checkpoint.save_interval=2"], cwd=tmp_path)
+    result = _run(nemo, ["finetune", "--recipe", "kimi_k2_proxy_sft_muon", "--data", "stdlib-signatures",
+                         f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={run}", f"checkpoint.load={run}",
+                         "train.train_iters=5", "logger.log_interval=5", "train.eval_interval=5", "train.eval_iters=1",
+                         "checkpoint.save_interval=5"], cwd=tmp_path)
     line = next(x for x in result.stdout.splitlines() if x.startswith(" [muon] iteration 5:"))
     logit = float(re.search(r"max_attention_logit ([0-9.e+-]+)", line).group(1))
     assert math.isfinite(logit) and 0 < logit < 100.0  # measured, and under the threshold QK-clip enforces
@@ -468,9 +469,9 @@ def test_kimi_proxy_muon_sft_with_qk_clip_logs_the_max_logit(tmp_path):
     from bridge_ext.hf import load_hf_config
 
     lora = tmp_path / "kimi_lora"
-    _run(["finetune", "--recipe", "kimi_k2_proxy_lora_muon", "--data", "stdlib-signatures",
-          f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={lora}", f"checkpoint.load={lora}",
-          "train.train_iters=2", "train.eval_iters=1"], cwd=tmp_path)
+    _run(nemo, ["finetune", "--recipe", "kimi_k2_proxy_lora_muon", "--data", "stdlib-signatures",
+                f"checkpoint.pretrained_checkpoint={base}", f"checkpoint.save={lora}", f"checkpoint.load={lora}",
+                "train.train_iters=2", "train.eval_iters=1"], cwd=tmp_path)
     export_hf(lora / "merged", tmp_path / "kimi_lora_hf", progress=False, console=None)
     out = tmp_path / "kimi_lora_hf"  # Kimi K2's config names remote code: loaded as DeepSeek-V3, as in test_convert
     merged = DeepseekV3ForCausalLM.from_pretrained(str(out), config=load_hf_config(out), torch_dtype=torch.float32)

@@ -1,8 +1,8 @@
 """Kill-safe training: which iteration is complete, which one a run resumes from and export reads; a proxy run
 killed at every stage of a save resumes with the losses of a straight run; SIGTERM saves and exits 0.
 
-The kill-point test drives `nemo llm pretrain` through tests/kill_driver.py, which forks each command from one
-process that has already imported the stack and signals it at a chosen file write of a save.
+The kill-point test runs each killed `nemo llm pretrain` as a real process through tests/kill_driver.py, which
+signals it at a chosen file write of a save; the straight run and the exports run in this process.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import torch
 from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
 from bridge_ext.errors import UserError
+from tests.nemo_cli import start_nemo
 
 pytestmark = pytest.mark.stack  # torch's checkpoint writer and Megatron Bridge's save: .ci/run runs these on every stack
 
@@ -159,28 +160,40 @@ def test_a_changed_save_function_is_refused(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- kill-point test
-class Driver:
-    """tests/kill_driver.py in a subprocess; :meth:`run` forks one `nemo` command and waits for it."""
+def run_killed(tmp: Path, argv: list[str], *, events: tuple[dict, ...] = ()) -> dict:
+    """``nemo *argv`` as a real process (tests/kill_driver.py) that signals itself at ``events``: ``{"status":
+    exit code or -signal, "fired": [...], "survivors": [...], "seconds": s, "log": text}``; ``survivors``:
+    processes of its session still alive 20 s after it ended (zombies are dead and do not count)."""
+    log = tmp / f"run-{time.monotonic_ns()}.log"
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = start_nemo(argv, driver=[REPO / "tests" / "kill_driver.py", json.dumps(list(events))], cwd=tmp,
+                          env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}, stdout=out,
+                          stderr=subprocess.STDOUT, start_new_session=True)  # its helpers stay in its session
+        status = proc.wait(timeout=900)
+    seconds = time.monotonic() - start
+    deadline = time.monotonic() + 20
+    while (survivors := session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    fired = [json.loads(line.split("FIRED ", 1)[1]) for line in text.splitlines() if line.startswith("FIRED ")]
+    return {"status": status, "fired": fired, "survivors": survivors, "seconds": round(seconds, 2), "log": text}
 
-    def __init__(self, tmp: Path):
-        self.tmp, self.count = tmp, 0
-        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "kill_driver.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp)
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
 
-    def run(self, *argv: str, events: tuple[dict, ...] = ()) -> dict:
-        self.count += 1
-        log = self.tmp / f"run{self.count:02d}.log"
-        request = {"argv": list(argv), "cwd": str(self.tmp), "log": str(log), "events": list(events)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
-        return dict(reply, log=log.read_text())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+def session_processes(sid: int) -> list[str]:
+    """Live processes of session ``sid``: ``"pid: command line"``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    dead = f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, waiting for its parent to reap it
+                if os.getsid(int(entry)) == sid and not dead:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        alive.append(f"{entry}: {f.read().replace(b'\0', b' ').decode(errors='replace')[:200]}")
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                continue
+    return alive
 
 
 def losses(path: Path, skip: int = 0) -> list[tuple[int, float]]:
@@ -214,81 +227,82 @@ KILLS = (
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_killed_at_every_stage_of_a_save_resumes_exactly(tmp_path):
-    """qwen3_proxy_muon, 10 iterations, a save every 2, keeping 2: one straight run, then the same command run
-    again and again, each run killed at another moment (KILLS); each rerun resumes where training and export
-    say it does, with the straight run's losses bit for bit; no helper process outlives a run; `nemo llm
-    export` at the point where upstream's own save leaves an unloadable iteration."""
-    driver = Driver(tmp_path)
-    try:
-        def pretrain(run: Path, *, events=()):
-            return driver.run("llm", "pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={run}",
-                              f"checkpoint.load={run}", f"train.train_iters={ITERS}",
-                              f"checkpoint.save_interval={INTERVAL}", f"checkpoint.most_recent_k={KEEP}",
-                              events=events)
+def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path):
+    """qwen3_proxy_muon, 10 iterations, a save every 2, keeping 2: one straight run (in this process), then the
+    same command run again and again as a real process, each killed at another moment (KILLS); each rerun
+    resumes where training and export say it does, with the straight run's losses bit for bit; no helper
+    process outlives a run; `nemo llm export` at the point where upstream's own save leaves an unloadable
+    iteration."""
+    def command(run: Path) -> list[str]:
+        return ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", f"checkpoint.save={run}", f"checkpoint.load={run}",
+                f"train.train_iters={ITERS}", f"checkpoint.save_interval={INTERVAL}",
+                f"checkpoint.most_recent_k={KEEP}"]
 
-        straight = pretrain(tmp_path / "straight")
-        assert straight["status"] == 0 and straight["survivors"] == [], straight["log"][-3000:]
-        assert "on SIGTERM: finishes the current iteration, saves a checkpoint to" in straight["log"]
-        assert f"iteration {ITERS} is already saved in" in straight["log"]  # pretrain()'s second save skipped
-        reference = dict(losses(tmp_path / "straight" / "losses.jsonl"))
-        assert sorted(reference) == list(range(1, ITERS + 1))
+    def pretrain(run: Path, *, events=()):
+        return run_killed(tmp_path, command(run), events=events)
 
-        run, record = tmp_path / "run", tmp_path / "run" / "losses.jsonl"
-        resumed_from, timings = 0, [("straight run", straight["seconds"])]
-        for what, events, resumes in KILLS:
-            skip = len(record.read_text().splitlines()) if record.exists() else 0
-            result = pretrain(run, events=events)
-            assert result["fired"] == list(events), (what, result["log"][-3000:])
-            stopped_by_term = events[-1]["signal"] == "TERM"
-            assert result["status"] == (0 if stopped_by_term else -9), (what, result["log"][-3000:])
-            assert result["survivors"] == [], what
-            got = losses(record, skip)
-            assert got[0][0] == resumed_from + 1, what  # resumed where the previous kill said it would
-            assert all(loss == reference[it] for it, loss in got), (what, got)
-            if stopped_by_term:
-                assert f"stopped on SIGTERM at iteration {resumes}, saved to {run}" in result["log"]
-            assert find_iteration(run)[1] == resumes, what  # export reads what the next run will load
-            if events[0].get("before") == "run_config.yaml":
-                check_export(driver, run, tmp_path)
-            resumed_from = resumes
-            timings.append((what, result["seconds"]))
+    start = time.monotonic()
+    straight = nemo(command(tmp_path / "straight"), cwd=tmp_path)
+    log = straight.stdout + straight.stderr
+    assert straight.code == 0, log[-3000:]
+    assert "on SIGTERM: finishes the current iteration, saves a checkpoint to" in log
+    assert f"iteration {ITERS} is already saved in" in log  # pretrain()'s second save skipped
+    reference = dict(losses(tmp_path / "straight" / "losses.jsonl"))
+    assert sorted(reference) == list(range(1, ITERS + 1))
 
-        # The upstream failure, as a save without bridge_ext.kill_safe leaves it: iteration 6 is the tracker's
-        # but has no run_config.yaml. The run falls back to 5, says so, and finishes.
-        assert read_tracker(run)[0] == 6
-        (run / "iter_0000006" / "run_config.yaml").unlink()
-        assert find_iteration(run)[1] == 5
-        skip = len(record.read_text().splitlines())
-        last = pretrain(run)
-        assert last["status"] == 0 and last["survivors"] == [], last["log"][-3000:]
-        assert (f"resume: iteration 6 in {run} is incomplete (missing run_config.yaml); using iteration 5, the newest "
-                "complete one") in last["log"]
+    run, record = tmp_path / "run", tmp_path / "run" / "losses.jsonl"
+    resumed_from, timings = 0, [("straight run (in this process)", round(time.monotonic() - start, 2))]
+    for what, events, resumes in KILLS:
+        skip = len(record.read_text().splitlines()) if record.exists() else 0
+        result = pretrain(run, events=events)
+        assert result["fired"] == list(events), (what, result["log"][-3000:])
+        stopped_by_term = events[-1]["signal"] == "TERM"
+        assert result["status"] == (0 if stopped_by_term else -9), (what, result["log"][-3000:])
+        assert result["survivors"] == [], what
         got = losses(record, skip)
-        assert [it for it, _ in got] == list(range(6, ITERS + 1))
-        assert all(loss == reference[it] for it, loss in got), got
-        assert read_tracker(run)[0] == ITERS
-        assert sorted(checkpoints.iterations(run)) == [8, 10]  # most_recent_k=2, applied after each commit
-        assert sorted(checkpoints.iterations(tmp_path / "straight")) == [8, 10]
-        timings.append(("fallback run to the end", last["seconds"]))
-        print("\n".join(f"{seconds:6.1f} s  {what}" for what, seconds in timings))
-    finally:
-        driver.close()
+        assert got[0][0] == resumed_from + 1, what  # resumed where the previous kill said it would
+        assert all(loss == reference[it] for it, loss in got), (what, got)
+        if stopped_by_term:
+            assert f"stopped on SIGTERM at iteration {resumes}, saved to {run}" in result["log"]
+        assert find_iteration(run)[1] == resumes, what  # export reads what the next run will load
+        if events[0].get("before") == "run_config.yaml":
+            check_export(nemo, run, tmp_path)
+        resumed_from = resumes
+        timings.append((what, result["seconds"]))
+
+    # The upstream failure, as a save without bridge_ext.kill_safe leaves it: iteration 6 is the tracker's
+    # but has no run_config.yaml. The run falls back to 5, says so, and finishes.
+    assert read_tracker(run)[0] == 6
+    (run / "iter_0000006" / "run_config.yaml").unlink()
+    assert find_iteration(run)[1] == 5
+    skip = len(record.read_text().splitlines())
+    last = pretrain(run)
+    assert last["status"] == 0 and last["survivors"] == [], last["log"][-3000:]
+    assert (f"resume: iteration 6 in {run} is incomplete (missing run_config.yaml); using iteration 5, the newest "
+            "complete one") in last["log"]
+    got = losses(record, skip)
+    assert [it for it, _ in got] == list(range(6, ITERS + 1))
+    assert all(loss == reference[it] for it, loss in got), got
+    assert read_tracker(run)[0] == ITERS
+    assert sorted(checkpoints.iterations(run)) == [8, 10]  # most_recent_k=2, applied after each commit
+    assert sorted(checkpoints.iterations(tmp_path / "straight")) == [8, 10]
+    timings.append(("fallback run to the end", last["seconds"]))
+    print("\n".join(f"{seconds:6.1f} s  {what}" for what, seconds in timings))
 
 
-def check_export(driver: Driver, run: Path, tmp_path: Path) -> None:
+def check_export(nemo, run: Path, tmp_path: Path) -> None:
     """Killed after the trackers, before run_config.yaml (where Megatron Bridge's own save leaves an iteration
     no restart can load): export takes the committed iteration and refuses the unfinished one in one line."""
     names = set(os.listdir(run / "iter_0000004"))
     assert {".metadata", "common.pt", "metadata.json", "train_state.pt", ".commit.latest_train_state.pt",
             ".commit.latest_checkpointed_iteration.txt"} <= names and "run_config.yaml" not in names, names
     assert read_tracker(run)[0] == 2  # upstream alone would say 4 here
-    refused = driver.run("llm", "export", "--ckpt", str(run), "--iteration", "4", "--out", str(tmp_path / "x"))
-    assert refused["status"] == 2
+    refused = nemo(["llm", "export", "--ckpt", run, "--iteration", "4", "--out", tmp_path / "x"])
+    assert refused.code == 2
     assert (f"error: --iteration 4 in {run} is incomplete (missing run_config.yaml); complete: 2"
-            in refused["log"].splitlines())
+            in refused.stderr.splitlines())
     assert not (tmp_path / "x").exists()
-    exported = driver.run("llm", "export", "--ckpt", str(run), "--out", str(tmp_path / "hf"))
-    assert exported["status"] == 0, exported["log"][-3000:]
-    assert f"iteration 2 from {run / 'iter_0000002'}" in exported["log"]
+    exported = nemo(["llm", "export", "--ckpt", run, "--out", tmp_path / "hf"])
+    assert exported.code == 0, exported.stderr[-3000:]
+    assert f"iteration 2 from {run / 'iter_0000002'}" in exported.stdout + exported.stderr
     assert (tmp_path / "hf" / "config.json").is_file()

@@ -15,7 +15,6 @@ import math
 import pytest
 
 import recipes
-from tests.warm_cli import run_nemo
 
 # The papers' numbers.
 PEAK_LR, FINAL_LR, WARMUP_STEPS = 2e-4, 2e-5, 500
@@ -115,25 +114,25 @@ def test_kimi_k2_initialization_is_deepseek_v3s(name):
     assert build_config(recipes.get_recipe("kimi_k2_proxy_muon")).model.init_method_std == 0.02
 
 
-def _cli(*args: str) -> str:
-    result = run_nemo(["llm", *args])
-    assert result.returncode == 0, result.stderr[-3000:]
+def _cli(nemo, *args: str) -> str:
+    result = nemo(["llm", *args])
+    assert result.code == 0, result.stderr[-3000:]
     return result.stdout
 
 
 @pytest.mark.once
-def test_info_prints_warmup_tokens_per_step_and_total_tokens():
-    run = json.loads(_cli("info", "--recipe", "kimi_k2_muon", "--json"))["run"]
+def test_info_prints_warmup_tokens_per_step_and_total_tokens(nemo):
+    run = json.loads(_cli(nemo, "info", "--recipe", "kimi_k2_muon", "--json"))["run"]
     steps = math.ceil(TOTAL_TOKENS / BENCH_TOKENS_PER_STEP)
     assert run == {"tokens_per_step": 16_777_216, "train_iters": steps, "warmup_iters": 500,
                    "decay_start": math.floor(10e12 / BENCH_TOKENS_PER_STEP), "total_tokens": steps * 16_777_216}
-    text = _cli("info", "--recipe", "kimi_k2_muon")
+    text = _cli(nemo, "info", "--recipe", "kimi_k2_muon")
     assert (f"{steps:,} iterations x 16,777,216 tokens per step = 15.5 T tokens; warm-up 500 steps, "
             f"decay after iteration 596,046") in text
 
 
-def test_dry_run_summary_prints_the_run_length():
-    text = _cli("pretrain", "--recipe", "kimi_k2_muon", "--dryrun")
+def test_dry_run_summary_prints_the_run_length(nemo):
+    text = _cli(nemo, "pretrain", "--recipe", "kimi_k2_muon", "--dryrun")
     assert "923,872 iterations x 16,777,216 tokens per step = 15.5 T tokens; warm-up 500 steps" in text
     assert "WSD: warm-up 500 steps, final 327,826 iterations cosine" in text
     # 327,826 = round(5.5 / 15.5 x 923,872): the last 5.5 T tokens

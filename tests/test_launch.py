@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -10,20 +9,19 @@ from pathlib import Path
 import pytest
 
 from bridge_ext.commands import main
-from tests.warm_cli import run_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def kimi_sbatch(tmp_path_factory):
-    """`nemo llm pretrain --recipe kimi_k2_muon --executor slurm ... --dryrun` in a subprocess: NeMo-Run's script."""
+@pytest.fixture
+def kimi_sbatch(tmp_path_factory, nemo):
+    """`nemo llm pretrain --recipe kimi_k2_muon --executor slurm ... --dryrun`: NeMo-Run's script."""
     job_dir = tmp_path_factory.mktemp("jobs")
     argv = ["llm", "pretrain", "--recipe", "kimi_k2_muon", "--executor", "slurm", "--account", "acct",
             "--partition", "batch", "--container-mounts", "/lustre/data:/data", "--job-dir", str(job_dir), "--dryrun"]
     home = tmp_path_factory.mktemp("nemorun_home")
-    run = run_nemo(argv, cwd=ROOT, env={**os.environ, "NEMORUN_HOME": str(home)}, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = nemo(argv, cwd=ROOT, env={"NEMORUN_HOME": str(home)})
+    assert run.code == 0, run.stderr[-3000:]
     return {"script": run.stdout, "job_dir": job_dir, "home": home}
 
 
@@ -83,15 +81,15 @@ def test_gb300_layouts_default_to_nvl72_trays():
 @pytest.mark.once
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_local_executor_trains_a_proxy_with_two_processes(tmp_path):
+def test_local_executor_trains_a_proxy_with_two_processes(nemo, tmp_path):
     """NeMo-Run's LocalExecutor + torchrun: the Qwen3 proxy on `cpu-dp2` (2 CPU processes, gloo) trains 2
     iterations from the YAML `--to-yaml` writes for the same command line, and saves."""
     job_dir, ckpt = tmp_path / "jobs", tmp_path / "ckpt"
     overrides = ["train.train_iters=2", "logger.log_interval=1", "checkpoint.save_interval=2",
                  f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"]
-    run = run_nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--layout", "cpu-dp2", "--executor", "local",
-                    "--job-dir", job_dir, *overrides], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--layout", "cpu-dp2", "--executor", "local",
+                "--job-dir", job_dir, *overrides], cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "[default0]" in out and "[default1]" in out  # torchrun's two ranks
     assert re.search(r"iteration\s+2/\s+2 \|", out)

@@ -15,14 +15,13 @@ import hashlib
 import json
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from bridge_ext import corpus
 from bridge_ext.data import PROXY_TOKENIZER_DIR
-from tests.warm_cli import run_nemo
+from tests.nemo_cli import Result
 
 
 # Kimi K2's pre-tokenizer pattern as published in its tokenization_kimi.py (TikTokenTokenizer.pat_str),
@@ -336,11 +335,11 @@ def _document_ranges(prefix: str) -> dict[str, set[int]]:
     return out
 
 
-def _pretrain(tmp_path: Path, argv: list[str], *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _pretrain(nemo, tmp_path: Path, argv: list[str], *overrides: str) -> tuple[Result, Path]:
     run = tmp_path / "run"
-    result = run_nemo(["llm", *argv, "--device", "cpu", *overrides, f"checkpoint.save={run}", f"checkpoint.load={run}",
-                       f"logger.tensorboard_dir={run}/tb"], cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = nemo(["llm", *argv, "--device", "cpu", *overrides, f"checkpoint.save={run}", f"checkpoint.load={run}",
+                   f"logger.tensorboard_dir={run}/tb"], cwd=tmp_path)
+    assert result.code == 0, result.stderr[-3000:]
     return result, run
 
 
@@ -371,7 +370,7 @@ def _as_cpu_run(launch: list[str], proxy: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_path, capsys, monkeypatch):
+def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_path, capsys, monkeypatch, nemo):
     """docs/data.md, Qwen3, command by command: two JSONL sets with weights -> blend YAML -> the dry run of
     qwen3_8b_muon (and its refusal of a tokenizer that does not fit) -> training (qwen3_proxy_muon on CPU)."""
     prepare, dryrun, launch = doc_commands("Qwen3")
@@ -405,7 +404,7 @@ def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_p
     assert capsys.readouterr().err == (
         f"error: the tokenizer in {dirs['qwen']} has 4,096 tokens but model.vocab_size is 4,000: its ids would not "
         "fit the embedding; use the model's own tokenizer (or a model with a larger vocabulary)\n")
-    result, run = _pretrain(tmp_path, _as_cpu_run(launch, "qwen3_proxy_muon"), "train.train_iters=12")
+    result, run = _pretrain(nemo, tmp_path, _as_cpu_run(launch, "qwen3_proxy_muon"), "train.train_iters=12")
     assert f"data: dataset.blend=[['{blend}-0', '{blend}-1'], [0.7, 0.3]]" in result.stderr
     losses = _losses(run)
     assert len(losses) == 12 and losses[0] > 8.0 and losses[-1] < losses[0] - 0.5, losses  # ln 4096 = 8.32
@@ -418,7 +417,7 @@ def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, monkeypatch):
+def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, monkeypatch, nemo):
     """docs/data.md, Kimi K2, command by command: a tiktoken directory through prepare-data, the dry run of
     kimi_k2_muon (and its refusal of a split Megatron cannot build), training (kimi_k2_proxy_muon on CPU)."""
     prepare, dryrun, launch = doc_commands("Kimi K2")
@@ -443,7 +442,7 @@ def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, mo
     assert capsys.readouterr().err == (
         f"error: dataset.split 98,1,1 leaves the test split of {prefix} (36 documents) empty, which Megatron cannot "
         "build; use more documents or a split with 0 for it (e.g. \"dataset.split='98,2,0'\")\n")
-    result, run = _pretrain(tmp_path, _as_cpu_run(launch, "kimi_k2_proxy_muon"), "train.train_iters=10")
+    result, run = _pretrain(nemo, tmp_path, _as_cpu_run(launch, "kimi_k2_proxy_muon"), "train.train_iters=10")
     assert "building HuggingFaceTokenizer" in result.stdout + result.stderr
     losses = _losses(run)
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses

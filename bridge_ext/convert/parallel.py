@@ -92,8 +92,11 @@ def _distributed(cpu: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        if initialized_here and parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        if initialized_here:  # Megatron's globals the conversion made (parallel state, the rerun state machine
+            # a model's forward creates) end with it: a training run in this process initializes its own
+            from bridge_ext.cpu_config import reset_megatron_globals
+
+            reset_megatron_globals()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
         if owned:  # a process group we made leaves no rendezvous variables behind (e.g. for subprocesses)

@@ -150,7 +150,10 @@ def rewritten(qualname: str, replacements: tuple[tuple[str, str], ...]) -> Calla
         module = sys.modules[function.__module__]
         exec(compile(source, f"<bridge_ext.patches: {function.__module__}.{qualname}>", "exec"),
              module.__dict__, namespace)
-        return namespace[function.__name__]
+        new = namespace[function.__name__]
+        # inspect.getsource() of it reads upstream's: a needed() that reads it decides the same on a later run
+        getattr(new, "__func__", new).__wrapped__ = function
+        return new
 
     return make
 
