@@ -2,9 +2,9 @@
 
 In this process, :func:`call_nemo` calls the ``nemo`` script's ``main(argv)`` with pytest's capture for its output
 and ``MonkeyPatch`` for its working directory, environment and ``sys.argv``; Megatron Bridge is imported once per
-test process. What a command leaves in Megatron's process globals is the command's own cleanup (a run ends with
-``bridge_ext.cpu_config.reset_megatron_globals``): a run here computes a real process's losses bit for bit
-(tests/test_cli.py checks it).
+test process. What a command leaves in Megatron's process globals is the product's own cleanup (Megatron Bridge's
+``pretrain()`` ends a run with ``destroy_global_state``, a conversion ends with ``reset_megatron_globals``): a run
+here computes a real process's losses bit for bit (tests/test_cli.py checks it).
 
 A real process (:func:`nemo_process`, :func:`start_nemo`) only where that is what a test is about: what happens
 at import time, signals sent to the process, torchrun launches, the installed script itself.
