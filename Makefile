@@ -95,7 +95,7 @@ demo: install
 	$(VENV)/bin/nemo llm pretrain --recipe kimi_k2_proxy_muon checkpoint.save=$(DEMO_RUN)/checkpoints \
 	  checkpoint.load=$(DEMO_RUN)/checkpoints logger.tensorboard_dir=$(DEMO_RUN)/tb_logs
 
-# PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's middle stacks).
+# PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's 26.08 run).
 test: install
 	$(PY) -m pytest -n 2 --durations=15 $(PYTEST_ARGS)
 
