@@ -7,13 +7,12 @@ conversion under TP > 1. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
-from bridge_ext.patches.core import Patch, owner_of, rewrite
+from bridge_ext.patches.core import Patch, rewrite
 from bridge_ext.patches.cpu.redirect import real_torch
-from bridge_ext.stack import UpstreamDrift, package_of
+from bridge_ext.stack import UpstreamDrift, module_source, package_of
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]
 
@@ -65,9 +64,9 @@ _LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
 
 
 def _all_gather_form(replacements: tuple[tuple[str, str], ...]) -> bool:
-    """Whether the installed ``allgather_params`` has this form's all-gather; drift when it has neither."""
-    cls = owner_of(importlib.import_module(_LAYER_WISE), "LayerWiseDistributedOptimizer.allgather_params")
-    source = inspect.getsource(cls.allgather_params) if cls is not None else ""
+    """Whether the installed ``allgather_params`` has this form's all-gather; drift when it has neither. Read
+    from the module's file: once applied, the method is the recompiled one."""
+    source = module_source(_LAYER_WISE)
     forms = (_LAYER_WISE_ALLGATHER, _LAYER_WISE_ALLGATHER_HELPER)
     if not any(form[0][0] in source for form in forms):
         raise UpstreamDrift(f"{package_of(_LAYER_WISE)}: LayerWiseDistributedOptimizer.allgather_params has none "
@@ -108,10 +107,7 @@ _TORCH_NORM_SEQUENCE_PARALLEL = (
 # `ChainedOptimizer.get_loss_scale` -> AttributeError 'TensorParallelMuon' ... 'get_loss_scale' at the first
 # forward. 0.16's get_megatron_muon_optimizer wrapped them in FP32Optimizer itself; the same is done here.
 def _layer_wise_wraps_only_bf16() -> bool:
-    import importlib
-
-    init = importlib.import_module(_LAYER_WISE).LayerWiseDistributedOptimizer.__init__
-    source = inspect.getsource(init)
+    source = module_source(_LAYER_WISE)  # upstream's file (once applied, __init__ is ours)
     return "Do not pre-wrap with Megatron optimizers" in source and "FP32Optimizer(" not in source
 
 
