@@ -267,12 +267,12 @@ def test_training_validates_for_the_launched_world_size(monkeypatch):
 
     args = commands.build_parser().parse_args(["llm", "pretrain", "--recipe", "qwen3_8b_muon"])
     monkeypatch.setenv("WORLD_SIZE", "16")
-    resolved = resolve(get_recipe("qwen3_8b_muon"), args)
+    resolved = resolve(args, get=get_recipe)
     assert resolved.layout.gpus == 8 and resolved.checked.data_parallel_size == 4
     monkeypatch.setenv("WORLD_SIZE", "6")  # TP4 cannot split 6 ranks
     with pytest.raises(UserError, match="6 GPUs are not divisible by model.tensor_model_parallel_size 4 x "
                                         "pipeline_model_parallel_size 1 x context_parallel_size 1 = 4"):
-        resolve(get_recipe("qwen3_8b_muon"), args)
+        resolve(args, get=get_recipe)
 
 
 @pytest.mark.slow
