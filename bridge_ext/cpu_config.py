@@ -68,7 +68,13 @@ def reset_megatron_globals() -> None:
     for cached in ("read_train_state", "read_run_config"):  # lru_cache'd; the TrainState is mutated by training
         getattr(getattr(checkpoint_utils, cached, None), "cache_clear", lambda: None)()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER.clear()
+    tracker = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)  # megatron-core 0.16-0.17
+    if tracker is not None:
+        tracker.clear()
+    else:  # 0.19: moe_logging's MoEMetricsTracker (get_moe_metrics_tracker), created again on first use
+        from megatron.core.transformer.moe import moe_logging
+
+        moe_logging.destroy_moe_metrics_tracker()
 
 
 # Model settings that cannot run on CPU processes, and the value that can. Everything else is kept.

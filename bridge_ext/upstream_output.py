@@ -33,8 +33,13 @@ def megatron_warnings_once() -> None:
     A ``showwarning`` that drops repeats of a (category, text) already shown: the "once" filter action
     does not do it, CPython keeps its registry per module.
     """
+    import logging
     import warnings
 
+    # megatron-bridge 0.6's safe_import_from logs each optional symbol it cannot import at INFO with a full
+    # traceback (peft/utils.py asks megatron-core's TE extension for FP8GlobalStateManager on every machine without
+    # TE): a "Traceback" in every run's output that is no error. Warnings from there stay visible.
+    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     for category in (UserWarning, FutureWarning):  # undo a quiet_megatron() earlier in this process
         first = next((f[0] for f in warnings.filters if f[1] is None and f[3] is None and issubclass(category, f[2])),
                      "default")
