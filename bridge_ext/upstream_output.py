@@ -38,8 +38,11 @@ def megatron_warnings_once() -> None:
 
     # megatron-bridge 0.6's safe_import_from logs each optional symbol it cannot import at INFO with a full
     # traceback (peft/utils.py asks megatron-core's TE extension for FP8GlobalStateManager on every machine without
-    # TE): a "Traceback" in every run's output that is no error. Warnings from there stay visible.
-    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
+    # TE): a "Traceback" in every run's output that is no error. Its module sets that logger's level and handler at
+    # import, so a filter (which stays) drops them; warnings from there stay visible.
+    optional_imports = logging.getLogger("megatron.bridge.utils.import_utils")
+    if _warning_or_above not in optional_imports.filters:
+        optional_imports.addFilter(_warning_or_above)
     for category in (UserWarning, FutureWarning):  # undo a quiet_megatron() earlier in this process
         first = next((f[0] for f in warnings.filters if f[1] is None and f[3] is None and issubclass(category, f[2])),
                      "default")
@@ -57,3 +60,9 @@ def megatron_warnings_once() -> None:
 
     show_once._bridge_ext_once = True  # type: ignore[attr-defined]
     warnings.showwarning = show_once
+
+
+def _warning_or_above(record) -> bool:
+    import logging
+
+    return record.levelno >= logging.WARNING
