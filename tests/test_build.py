@@ -189,7 +189,10 @@ def test_bad_yaml_is_refused(tmp_path, text, message):
 
 def test_validation_errors_are_user_errors():
     cfg = build_config(recipes.get_recipe("qwen3_8b_muon"))
-    apply_user_overrides(cfg, overrides=["dataset.sequence_length=2048"])
+    # the dataset's sequence length under the installed release's name: megatron-bridge 0.6's own field seq_length
+    # (megatron-core's sequence_length is a copy finalize() overwrites); 0.3's sequence_length (seq_length: alias)
+    key = "seq_length" if "seq_length" in {f.name for f in dataclasses.fields(cfg.dataset)} else "sequence_length"
+    apply_user_overrides(cfg, overrides=[f"dataset.{key}=2048"])
     with pytest.raises(UserError, match="Sequence length in model config: 4096"):
         validate_for_layout(cfg, gpus=8)
 

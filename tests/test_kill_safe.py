@@ -19,6 +19,7 @@ import torch
 from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
 from bridge_ext.errors import UserError
+from bridge_ext.stack import common_state_inside_checkpoint
 from tests.nemo_cli import start_nemo
 
 pytestmark = pytest.mark.stack  # torch's checkpoint writer and Megatron Bridge's save: .ci/run runs these on every stack
@@ -56,8 +57,12 @@ def test_missing_files_names_what_a_resume_needs(tmp_path):
     assert checkpoints.missing_files(make_iteration(tmp_path, 20, COMPLETE[:5])) == ["run_config.yaml"]
     assert checkpoints.missing_files(make_iteration(tmp_path, 30, ("common.pt", "__0_0.distcp"))) == [
         ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
+    # megatron-core 0.19 keeps the common state inside the DCP files (common.pt: older checkpoints only)
+    common = [] if common_state_inside_checkpoint() else ["common.pt"]
     assert checkpoints.missing_files(make_iteration(tmp_path, 40, ())) == [
-        "common.pt", ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
+        *common, ".metadata", "metadata.json", "train_state.pt", "run_config.yaml"]
+    without_common_pt = tuple(name for name in COMPLETE if name != "common.pt")
+    assert checkpoints.missing_files(make_iteration(tmp_path, 45, without_common_pt)) == common
     # fsdp_dtensor: plain torch DCP, no Megatron common.pt / metadata.json
     dcp_only = make_iteration(tmp_path, 50, (".metadata", "train_state.pt"))
     assert checkpoints.missing_files(dcp_only) == ["run_config.yaml"]

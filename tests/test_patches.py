@@ -70,8 +70,6 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target"},
-    # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
-    # set against it, matches param groups by every override key, writes results without a Manager of its own
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes
     # (the DDP stream in megatron/training/models/dist_utils.py, per-rank all-gather buffers, fp32 layer-wise
     # members), but still matches param groups by four keys; MB 0.5's KimiK2Bridge lacks the expert mappings
@@ -81,10 +79,15 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
                          "layer-wise-all-gather-v (per-rank buffers)",
                          "layer-wise-all-gather-v (per-rank buffers) (helper)", *PARAM_GROUPS_BY_FOUR_KEYS,
                          *WRITER_QUEUE_PUBLIC},
+    # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
+    # set against it, matches param groups by every override key; MB 0.6's KimiK2Bridge maps SequentialMLP experts
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in
                                                        MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
                          *WRITER_QUEUE_PUBLIC},
 }
+# newest (megatron-bridge 0.6.2, megatron-core 0.19.2, emerging-optimizers 0.3.0): the same code as 26.08 for every
+# capability-decided patch (0.19.2's Muon passes emerging-optimizers 0.3.0's names itself)
+APPLIES_BY_STACK[("0.6.2", "0.3.0")] = APPLIES_BY_STACK[("0.6.0", "0.2.0")]
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
 # ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
