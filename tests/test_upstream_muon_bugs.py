@@ -252,7 +252,10 @@ def _tensors(iteration_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _param_groups(iteration_dir: Path) -> list[dict]:
-    """The optimizers' param groups as saved (common.pt; ``params`` left out), every chained optimizer's."""
+    """The optimizers' param groups as saved (the common state: common.pt in megatron-core 0.16, inside the DCP
+    files in 0.19, read by its own loader; ``params`` left out), every chained optimizer's."""
+    from megatron.core import dist_checkpointing
+
     found: list[dict] = []
 
     def walk(node) -> None:
@@ -262,7 +265,7 @@ def _param_groups(iteration_dir: Path) -> list[dict]:
             for value in node.values():
                 walk(value)
 
-    walk(torch.load(iteration_dir / "common.pt", weights_only=False)["optimizer"])
+    walk(dist_checkpointing.load_common_state_dict(str(iteration_dir))["optimizer"])
     return found
 
 
