@@ -54,7 +54,7 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
     sys.path.insert(0, str(REPO / "tests"))
     import hf_fixtures
 
-    from bridge_ext.convert.hf_dir import _expected_hf_tensors
+    from bridge_ext.convert.hf_dir import expected_hf_tensors
     from bridge_ext.hf import load_hf_config
 
     out.mkdir(parents=True)
@@ -62,7 +62,7 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
                   num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256, head_dim=128,
                   vocab_size=32_000, torch_dtype=dtype)  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    shapes = _expected_hf_tensors(load_hf_config(out))
+    shapes = expected_hf_tensors(load_hf_config(out))
     gen = torch.Generator().manual_seed(0)
     written: list[tuple[Path, list[str]]] = []
     pending: dict[str, torch.Tensor] = {}
@@ -118,9 +118,9 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1) -> dict:
     import torch  # noqa: F401  (libraries first, so base_mb is the fixed cost)
 
     from bridge_ext import convert
-    from bridge_ext.convert.model import _prepare_runtime
+    from bridge_ext.convert.model import prepare_runtime
 
-    _prepare_runtime()
+    prepare_runtime()
     import megatron.bridge.training.model_load_save  # noqa: F401
 
     base = _rss_now_mb()

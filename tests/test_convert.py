@@ -19,8 +19,8 @@ import pytest
 import hf_fixtures
 from bridge_ext import convert
 from bridge_ext.convert import export_hf, find_iteration, import_hf, inspect_hf_dir, read_safetensors_header
-from bridge_ext.convert.model import _bridge_for, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed, _init_parallel
+from bridge_ext.convert.model import bridge_for, prepare_runtime
+from bridge_ext.convert.parallel import init_model_parallel, process_group
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
 from tests.nemo_cli import nemo_process, start_nemo
@@ -576,11 +576,11 @@ def test_kimi_k2_converts_with_megatron_bridges_own_bridge_where_it_has_one():
     own = getattr(models, "KimiK2Bridge", None)
     assert upstream_bridge_for_model_type("kimi_k2") is own
     assert upstream_bridge_for_model_type("deepseek_v3") is None  # transformers' own model_type: as it is
-    _prepare_runtime()
+    prepare_runtime()
     config = load_hf_config(hf_fixtures.KIMI_K2_CONFIG)
-    bridge = _bridge_for(config, model_type="kimi_k2")
+    bridge = bridge_for(config, model_type="kimi_k2")
     assert type(bridge._model_bridge) is (own or DeepSeekV3Bridge)
-    assert type(_bridge_for(config)._model_bridge) is DeepSeekV3Bridge  # no model_type: by architecture
+    assert type(bridge_for(config)._model_bridge) is DeepSeekV3Bridge  # no model_type: by architecture
     provider = bridge.to_megatron_provider(load_weights=False)
     apply_config_stated_fields(provider, config)
     assert (provider.beta_fast, provider.beta_slow, provider.rotary_scaling_factor) == (1.0, 1.0, 32.0)
@@ -665,17 +665,17 @@ def make_training_run(hf: Path, save: Path, *, iterations: tuple[int, ...] = (3,
 
     from bridge_ext.cpu_mode import configure_for_cpu
 
-    cpu = _prepare_runtime()
+    cpu = prepare_runtime()
     source = inspect_hf_dir(hf)
-    with _distributed(cpu):
+    with process_group(cpu):
         pretrained = PreTrainedCausalLM(model_name_or_path=str(hf), torch_dtype=torch.float32)
         pretrained.config = source.config
-        bridge = _bridge_for(source.config, pretrained)
+        bridge = bridge_for(source.config, pretrained)
         provider = bridge.to_megatron_provider(load_weights=True)
         apply_config_stated_fields(provider, source.config)  # as the product does (head_dim on MB 0.3.0)
         configure_for_cpu(provider)
         provider.finalize()
-        _init_parallel(tp=1, pp=1, ep=1, cpu=cpu)
+        init_model_parallel(tp=1, pp=1, ep=1, cpu=cpu)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=False)
         model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True, use_cpu_initialization=True)
         opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=False,

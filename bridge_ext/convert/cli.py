@@ -8,15 +8,15 @@ from pathlib import Path
 
 from bridge_ext.convert.hf_to_megatron import import_hf
 from bridge_ext.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, export_hf
-from bridge_ext.convert.parallel import _is_rank0
-from bridge_ext.convert.report import ConversionSummary, _quiet_upstream
+from bridge_ext.convert.parallel import is_rank0
+from bridge_ext.convert.report import ConversionSummary, quiet_upstream
 from bridge_ext.convert.verify import VERIFY_TOLERANCE
 
 __all__ = ["run_export", "run_import"]
 
 
 def _finish(summary: ConversionSummary) -> int:
-    if _is_rank0():
+    if is_rank0():
         for note in summary.notes:
             print(f"note: {note}")
         print(summary.line())
@@ -27,7 +27,7 @@ def run_import(*, hf: Path, out: Path, verify: bool = False, overwrite: bool = F
                tolerance: float = VERIFY_TOLERANCE, tp: int = 1, pp: int = 1, ep: int = 1,
                verbose: bool = False) -> int:
     """``nemo llm import``: exit code 0, or :class:`UserError` for bad input."""
-    with _quiet_upstream(verbose=verbose) as say:
+    with quiet_upstream(verbose=verbose) as say:
         summary = import_hf(hf, out, verify=verify, overwrite=overwrite, tolerance=tolerance, tp=tp, pp=pp, ep=ep,
                             progress=True, console=say)
     return _finish(summary)
@@ -37,7 +37,7 @@ def run_export(*, ckpt: Path, out: Path, iteration: int | None = None, hf_config
                shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
                verbose: bool = False) -> int:
     """``nemo llm export``: exit code 0, or :class:`UserError` for bad input."""
-    with _quiet_upstream(verbose=verbose) as say:
+    with quiet_upstream(verbose=verbose) as say:
         summary = export_hf(ckpt, out, iteration=iteration, overwrite=overwrite, hf_config=hf_config,
                             shard_bytes=shard_bytes, tp=tp, pp=pp, ep=ep, progress=True, console=say)
     return _finish(summary)

@@ -7,7 +7,7 @@ from typing import Any
 
 from bridge_ext.convert.hf_dir import HFSource
 
-__all__ = ['dequantize_fp8']
+__all__ = ["dequantize_fp8", "fp8_dequantizing"]
 
 
 def dequantize_fp8(weight: Any, scale_inv: Any, block: tuple[int, int]) -> Any:
@@ -24,7 +24,7 @@ def dequantize_fp8(weight: Any, scale_inv: Any, block: tuple[int, int]) -> Any:
     return (weight.to(torch.float32) * full).to(torch.bfloat16)
 
 
-def _fp8_dequantizing(load: Callable[..., Any], source: HFSource) -> Callable[..., Any]:
+def fp8_dequantizing(load: Callable[..., Any], source: HFSource) -> Callable[..., Any]:
     """Wrap ``maybe_modify_loaded_hf_weight`` so block-quantized fp8 weights arrive dequantized.
 
     Megatron Bridge 0.3.1 has no fp8 dequantization on import (``model_bridge.py:654-675`` is the hook).

@@ -21,8 +21,9 @@ from bridge_ext.convert.expert_layout import (
 )
 from bridge_ext.errors import UserError
 
-__all__ = ['CONVERSION_RECORD', 'HF_SOURCE_DIR', 'SUPPORTED_ARCHITECTURES', 'HFSource', 'TensorInfo', 'inspect_hf_dir',
-           'model_tensor_shapes', 'read_safetensors_header']
+__all__ = ["CONVERSION_RECORD", "FLOAT_ST", "HF_SOURCE_DIR", "SAFETENSORS_DTYPES", "SUPPORTED_ARCHITECTURES", "TORCH_TO_ST",
+           "HFSource", "TensorInfo", "config_from_dir", "copy_side_files", "expected_hf_tensors", "hf_tokenizer_loadable",
+           "inspect_hf_dir", "model_tensor_shapes", "read_safetensors_header"]
 
 
 # HF architecture -> the family name used in messages and docs. Megatron Bridge 0.3.1 has bridges for each.
@@ -59,12 +60,12 @@ _SIDE_FILE_PATTERNS = (
 )
 
 
-_SAFETENSORS_DTYPES: dict[str, int] = {
+SAFETENSORS_DTYPES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
-_TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
-_FLOAT_ST = {"F64", "F32", "F16", "BF16"}
+TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+FLOAT_ST = {"F64", "F32", "F16", "BF16"}
 _FP8_ST = {"F8_E4M3", "F8_E5M2"}
 
 
@@ -133,9 +134,9 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{where} is corrupt: bad header entry for tensor {name}") from None
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise UserError(f"{where}: tensor {name} has unknown dtype {dtype}")
-        expected = math.prod(shape) * _SAFETENSORS_DTYPES[dtype]
+        expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
         if end - begin != expected or begin < 0:
             raise UserError(f"{where} is corrupt: tensor {name} spans {end - begin} bytes, its shape needs {expected}")
         if end > data_len:
@@ -150,7 +151,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
+def expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of the architecture holds (name -> shape), routed experts per expert.
 
     From the installed transformers' model, built on the meta device; where that model fuses expert weights
@@ -175,7 +176,7 @@ def model_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _st_to_torch_name(code: str) -> str:
-    return {v: k for k, v in _TORCH_TO_ST.items()}.get(code, code.lower())
+    return {v: k for k, v in TORCH_TO_ST.items()}.get(code, code.lower())
 
 
 def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
@@ -261,7 +262,7 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
         raise UserError(f"{path} {exc}; convert it from one consistent checkpoint") from None
     views = per_expert_views({k: v.shape for k, v in tensors.items()}) if layout == "fused" else {}
     if check_tensors:
-        expected = _expected_hf_tensors(config)
+        expected = expected_hf_tensors(config)
         if layout == "fused":  # saved by transformers 5 with save_original_format=False
             expected = fused_shapes(expected)
         missing = [k for k in expected if k not in tensors]
@@ -290,7 +291,7 @@ def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str |
     """
     matrix_dtypes: dict[str, str] = {}
     for key, info in tensors.items():
-        if info.dtype not in _FLOAT_ST | _FP8_ST:
+        if info.dtype not in FLOAT_ST | _FP8_ST:
             raise UserError(f"{path}: tensor {key} has dtype {info.dtype}; weights must be floating point")
         if fp8 and key.endswith("_scale_inv"):
             continue
@@ -298,7 +299,7 @@ def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str |
             matrix_dtypes.setdefault(info.dtype, key)
     if fp8:
         wanted = {"F8_E4M3"}
-        others = {d: k for d, k in matrix_dtypes.items() if d not in wanted | _FLOAT_ST}
+        others = {d: k for d, k in matrix_dtypes.items() if d not in wanted | FLOAT_ST}
         if others:
             code, key = next(iter(others.items()))
             raise UserError(f"dtype mismatch in {path}: tensor {key} is {code}, config.json declares fp8 (e4m3)")
@@ -310,7 +311,7 @@ def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str |
             "quantization_config"
         )
     if declared is not None:
-        want = _TORCH_TO_ST.get(str(declared).replace("torch.", ""))
+        want = TORCH_TO_ST.get(str(declared).replace("torch.", ""))
         if want is None:
             raise UserError(f"{path}/config.json: unsupported torch_dtype {declared!r}")
         for code, key in matrix_dtypes.items():
@@ -331,7 +332,7 @@ def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str |
     return _st_to_torch_name(next(iter(matrix_dtypes), "F32"))
 
 
-def _copy_side_files(source: Path, dest: Path) -> list[str]:
+def copy_side_files(source: Path, dest: Path) -> list[str]:
     """Copy tokenizer / generation / remote-code files (never weights, never config.json)."""
     copied = []
     for pattern in _SIDE_FILE_PATTERNS:
@@ -342,7 +343,7 @@ def _copy_side_files(source: Path, dest: Path) -> list[str]:
     return copied
 
 
-def _hf_tokenizer_loadable(path: Path) -> bool:
+def hf_tokenizer_loadable(path: Path) -> bool:
     """True when transformers can load the tokenizer at ``path`` without remote code."""
     config_file = path / "tokenizer_config.json"
     if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
@@ -354,7 +355,7 @@ def _hf_tokenizer_loadable(path: Path) -> bool:
     return True
 
 
-def _config_from_dir(path: Path) -> tuple[Any, str, dict[str, Any]]:
+def config_from_dir(path: Path) -> tuple[Any, str, dict[str, Any]]:
     """Config, architecture and raw dict of a config-only directory (no weights to validate)."""
     from bridge_ext.hf import load_hf_config
 

@@ -10,22 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.fp8 import _fp8_dequantizing
+from bridge_ext.convert.fp8 import fp8_dequantizing
 from bridge_ext.convert.hf_dir import (
     CONVERSION_RECORD,
     HF_SOURCE_DIR,
     SUPPORTED_ARCHITECTURES,
     HFSource,
-    _copy_side_files,
-    _hf_tokenizer_loadable,
+    copy_side_files,
+    hf_tokenizer_loadable,
     inspect_hf_dir,
 )
 from bridge_ext.convert.megatron_ckpt import find_iteration
 from bridge_ext.convert.hf_read import per_expert_state
-from bridge_ext.convert.model import _bridge_for, _build_model, _ConfigSource, _model_param_names, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed, _is_rank0, _union_over_ranks, check_layout
-from bridge_ext.convert.report import ConversionSummary, _human_bytes, _Progress, _say
-from bridge_ext.convert.staging import _check_target, _staged_output
+from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, model_param_names, prepare_runtime
+from bridge_ext.convert.parallel import check_layout, is_rank0, process_group, union_over_ranks
+from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, say_on_rank0
+from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
 from bridge_ext.errors import UserError
 
@@ -47,7 +47,7 @@ def _load_hf_into_megatron(
     tasks = [t for t in model_bridge.build_conversion_tasks(pretrained, model) if t is not None]
     local = [t for t in tasks if t.megatron_module is not None]
     loaded = {(t.vp_stage, t.param_name) for t in local}
-    missing = [vp_name for vp_name in _model_param_names(model) if vp_name not in loaded]
+    missing = [vp_name for vp_name in model_param_names(model) if vp_name not in loaded]
     if missing:
         raise RuntimeError(
             f"no conversion for Megatron parameter {missing[0][1]} ({len(missing)} in all); "
@@ -56,11 +56,11 @@ def _load_hf_into_megatron(
     state = pretrained.state
     load = model_bridge.maybe_modify_loaded_hf_weight
     if source.fp8:
-        load = _fp8_dequantizing(load, source)
+        load = fp8_dequantizing(load, source)
     seen: set[str] = set()
     nbytes = 0
     total = len({source.stored_name(n) for t in local for n in _hf_names(t.mapping.hf_param)})
-    with _Progress("import", total=total, enabled=progress and _is_rank0()) as bar:
+    with TensorProgress("import", total=total, enabled=progress and is_rank0()) as bar:
         for task in local:
             hf_weights = load(task.mapping.hf_param, state)
             converted = task.mapping.hf_to_megatron(hf_weights, task.megatron_module)
@@ -108,43 +108,43 @@ def import_hf(
     """
     start = time.perf_counter()
     hf, target = Path(hf), Path(out)
-    _check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
+    check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
     if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
     source = inspect_hf_dir(hf)
     check_layout(source.config, tp=tp, pp=pp, ep=ep)
     summary = ConversionSummary(direction="import", out=target)
-    _say(console, f"importing {SUPPORTED_ARCHITECTURES[source.architecture]} from {hf} "
-                  f"({len(source.tensors)} tensors, {_human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
+    say_on_rank0(console, f"importing {SUPPORTED_ARCHITECTURES[source.architecture]} from {hf} "
+                          f"({len(source.tensors)} tensors, {human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
 
-    cpu = _prepare_runtime()
+    cpu = prepare_runtime()
     import torch
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
     from megatron.bridge.training.model_load_save import save_megatron_model
 
     dtype = getattr(torch, source.dtype)
-    with _distributed(cpu), _staged_output(target) as staging:
+    with process_group(cpu), staged_output(target) as staging:
         pretrained = PreTrainedCausalLM(model_name_or_path=str(hf.absolute()), torch_dtype=dtype)
         pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
-        bridge = _bridge_for(source.config, pretrained, model_type=source.raw_config.get("model_type"))
-        model = _build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
+        bridge = bridge_for(source.config, pretrained, model_type=source.raw_config.get("model_type"))
+        model = build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
         if source.expert_layout == "fused":  # Megatron Bridge's mappings name experts one by one
-            pretrained = _ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
+            pretrained = ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
         used, _ = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
-        used = _union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)
+        used = union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)
         summary.tensors, summary.bytes = len(used), sum(source.tensors[name].nbytes for name in used)
         unused = sorted(set(source.tensors) - used)
         if unused:
             summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
-        tokenizer = hf.absolute() if _hf_tokenizer_loadable(hf) else None
-        _say(console, "writing torch_dist checkpoint")
+        tokenizer = hf.absolute() if hf_tokenizer_loadable(hf) else None
+        say_on_rank0(console, "writing torch_dist checkpoint")
         save_megatron_model(model, str(staging), hf_tokenizer_path=tokenizer, low_memory_save=True)
         del model
-        if _is_rank0():
+        if is_rank0():
             side = staging / HF_SOURCE_DIR
             side.mkdir()
             shutil.copy2(hf / "config.json", side / "config.json")
-            _copy_side_files(hf, side)
+            copy_side_files(hf, side)
             record = {
                 "direction": "import",
                 "source": str(hf.absolute()),
@@ -156,7 +156,7 @@ def import_hf(
             (side / CONVERSION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         if verify:
             iter_dir, _ = find_iteration(staging)
-            _say(console, "verifying: transformers vs Megatron logits in fp32")
+            say_on_rank0(console, "verifying: transformers vs Megatron logits in fp32")
             summary.max_logit_diff = verify_logits(hf, iter_dir, source=source, cpu=cpu)
             if not summary.max_logit_diff <= tolerance:
                 raise UserError(

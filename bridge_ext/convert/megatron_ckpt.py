@@ -11,7 +11,8 @@ from bridge_ext import checkpoints
 from bridge_ext.convert.hf_dir import HF_SOURCE_DIR
 from bridge_ext.errors import UserError
 
-__all__ = ['find_iteration']
+__all__ = ["cause_line", "checkpoint_param_dtype", "find_iteration", "hf_source_for_checkpoint",
+           "load_model_weights", "tokenizer_dirs"]
 
 
 # Which iteration to export: the one a rerun of the training command resumes from (bridge_ext.checkpoints,
@@ -31,7 +32,7 @@ def _read_run_config(iter_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _hf_source_for_checkpoint(ckpt: Path, iter_dir: Path, explicit: Path | None) -> Path:
+def hf_source_for_checkpoint(ckpt: Path, iter_dir: Path, explicit: Path | None) -> Path:
     """Where the HF config (and tokenizer files) of a Megatron checkpoint are.
 
     In order: ``--hf-config``; the ``hf_source/`` kept by ``import`` (checkpoint root, or the root above an
@@ -113,7 +114,7 @@ def _matching_shipped_config(model: dict[str, Any]) -> Path | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _checkpoint_param_dtype(iter_dir: Path) -> Any:
+def checkpoint_param_dtype(iter_dir: Path) -> Any:
     """The dtype the checkpoint stores model weights in (from the torch DCP metadata), or None."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -135,7 +136,7 @@ def _checkpoint_param_dtype(iter_dir: Path) -> Any:
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
-def _load_model_weights(iter_dir: Path, model: list[Any]) -> None:
+def load_model_weights(iter_dir: Path, model: list[Any]) -> None:
     """Load a torch_dist checkpoint's model weights (optimizer state is never read) without a second copy.
 
     Megatron Bridge's ``_load_model_weights_from_checkpoint`` (``training/checkpointing.py:1232-1304``) is
@@ -189,7 +190,7 @@ def _in_place_merge(param: Any, merge: Callable[[Any], Any]) -> Callable[[Any], 
     return merged
 
 
-def _tokenizer_dirs(iter_dir: Path) -> list[Path]:
+def tokenizer_dirs(iter_dir: Path) -> list[Path]:
     """Where a run keeps HF tokenizer files: Megatron Bridge's saved assets, then the run's tokenizer_model."""
     found = [iter_dir / "tokenizer"] if (iter_dir / "tokenizer").is_dir() else []
     tokenizer = _read_run_config(iter_dir).get("tokenizer") or {}
@@ -199,7 +200,7 @@ def _tokenizer_dirs(iter_dir: Path) -> list[Path]:
     return found
 
 
-def _cause_line(exc: BaseException) -> str:
+def cause_line(exc: BaseException) -> str:
     """The informative line of a (possibly multi-line, multi-rank) checkpoint loading error."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for needle in ("mismatch", "Missing key", "missing", "Unexpected key", "not found"):

@@ -15,27 +15,27 @@ from typing import Any
 from bridge_ext.convert.hf_dir import (
     CONVERSION_RECORD,
     SUPPORTED_ARCHITECTURES,
-    _FLOAT_ST,
-    _SAFETENSORS_DTYPES,
-    _TORCH_TO_ST,
-    _config_from_dir,
-    _copy_side_files,
-    _expected_hf_tensors,
+    FLOAT_ST,
+    SAFETENSORS_DTYPES,
+    TORCH_TO_ST,
+    config_from_dir,
+    copy_side_files,
+    expected_hf_tensors,
     inspect_hf_dir,
 )
 from bridge_ext.convert.expert_layout import fused_name
 from bridge_ext.convert.megatron_ckpt import (
-    _cause_line,
-    _checkpoint_param_dtype,
-    _hf_source_for_checkpoint,
-    _load_model_weights,
-    _tokenizer_dirs,
+    cause_line,
+    checkpoint_param_dtype,
+    hf_source_for_checkpoint,
+    load_model_weights,
+    tokenizer_dirs,
     find_iteration,
 )
-from bridge_ext.convert.model import _bridge_for, _build_model, _ConfigSource, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed, _is_rank0, check_layout
-from bridge_ext.convert.report import ConversionSummary, _Progress, _say
-from bridge_ext.convert.staging import _check_target, _staged_output
+from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, prepare_runtime
+from bridge_ext.convert.parallel import check_layout, is_rank0, process_group
+from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_rank0
+from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.errors import UserError
 
 __all__ = ['DEFAULT_SHARD_BYTES', 'export_hf']
@@ -62,7 +62,7 @@ class _ShardWriter:
         shards: list[list[str]] = [[]]
         size = 0
         for name, (shape, code) in plan.items():
-            nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[code]
+            nbytes = math.prod(shape) * SAFETENSORS_DTYPES[code]
             if shards[-1] and size + nbytes > shard_bytes:
                 shards.append([])
                 size = 0
@@ -78,7 +78,7 @@ class _ShardWriter:
             offset = 0
             for name in names:
                 shape, code = plan[name]
-                nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[code]
+                nbytes = math.prod(shape) * SAFETENSORS_DTYPES[code]
                 header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
                 offset += nbytes
             blob = json.dumps(header, separators=(",", ":")).encode()
@@ -157,12 +157,12 @@ def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> d
     """What the export writes: the architecture's tensors, routed experts one by one as released checkpoints hold
     them (:mod:`~bridge_ext.convert.expert_layout`: transformers 4 and 5 load it, and Megatron Bridge's mappings
     name it), each in the dtype the import's source stored it in (a fused source: its fused tensor's)."""
-    expected = _expected_hf_tensors(config)
-    code = _TORCH_TO_ST[dtype]
+    expected = expected_hf_tensors(config)
+    code = TORCH_TO_ST[dtype]
     plan = {}
     for name, shape in expected.items():
         recorded = source_dtypes.get(name) or source_dtypes.get(fused_name(name) or "")
-        if recorded in _FLOAT_ST:
+        if recorded in FLOAT_ST:
             plan[name] = (shape, recorded)
         elif name.endswith(_FP32_TENSOR_SUFFIXES):
             plan[name] = (shape, "F32")
@@ -188,12 +188,12 @@ def export_hf(
     """Convert a Megatron checkpoint (``import`` output or a training run) into an HF directory at ``out``."""
     start = time.perf_counter()
     ckpt, target = Path(ckpt), Path(out)
-    _check_target(target, overwrite=overwrite, inputs=[ckpt] if ckpt.exists() else [])
+    check_target(target, overwrite=overwrite, inputs=[ckpt] if ckpt.exists() else [])
     iter_dir, number = find_iteration(ckpt, iteration)
-    hf_source = _hf_source_for_checkpoint(ckpt, iter_dir, Path(hf_config) if hf_config else None)
+    hf_source = hf_source_for_checkpoint(ckpt, iter_dir, Path(hf_config) if hf_config else None)
     source = inspect_hf_dir(hf_source, check_tensors=False) if any(hf_source.glob("*.safetensors")) else None
     if source is None:
-        config, architecture, raw = _config_from_dir(hf_source)
+        config, architecture, raw = config_from_dir(hf_source)
     else:
         config, architecture, raw = source.config, source.architecture, source.raw_config
     check_layout(config, tp=tp, pp=pp, ep=ep)
@@ -201,31 +201,31 @@ def export_hf(
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     declared = str(raw.get("torch_dtype") or raw.get("dtype") or record.get("dtype") or "bfloat16")
     declared = declared.replace("torch.", "")
-    if declared not in _TORCH_TO_ST:
+    if declared not in TORCH_TO_ST:
         raise UserError(f"{hf_source}/config.json: unsupported torch_dtype {declared!r}")
-    _say(console, f"exporting {SUPPORTED_ARCHITECTURES[architecture]} iteration {number} from {iter_dir} "
-                  f"(config from {hf_source})")  # fmt: skip
+    say_on_rank0(console, f"exporting {SUPPORTED_ARCHITECTURES[architecture]} iteration {number} from {iter_dir} "
+                          f"(config from {hf_source})")  # fmt: skip
 
-    cpu = _prepare_runtime()
+    cpu = prepare_runtime()
 
     summary = ConversionSummary(direction="export", out=target)
-    stored = _checkpoint_param_dtype(iter_dir)
+    stored = checkpoint_param_dtype(iter_dir)
     plan = _export_plan(config, dtype=declared, source_dtypes=record.get("tensors", {}))
-    with _distributed(cpu), _staged_output(target) as staging:
-        bridge = _bridge_for(config, model_type=raw.get("model_type"))
-        model = _build_model(bridge, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)
+    with process_group(cpu), staged_output(target) as staging:
+        bridge = bridge_for(config, model_type=raw.get("model_type"))
+        model = build_model(bridge, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)
         try:
-            _load_model_weights(iter_dir, model)
+            load_model_weights(iter_dir, model)
         except (UserError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # torch DCP's CheckpointException is a BaseException with a multi-line report
             raise UserError(
-                f"{iter_dir} does not match the model in {hf_source}/config.json ({_cause_line(exc)})"
+                f"{iter_dir} does not match the model in {hf_source}/config.json ({cause_line(exc)})"
             ) from None
-        shim = _ConfigSource(config, plan.keys(), str(hf_source))
-        writer = _ShardWriter(staging, plan, shard_bytes=shard_bytes) if _is_rank0() else None
+        shim = ConfigSource(config, plan.keys(), str(hf_source))
+        writer = _ShardWriter(staging, plan, shard_bytes=shard_bytes) if is_rank0() else None
         try:
-            with _Progress("export", total=len(plan), enabled=progress and _is_rank0()) as bar:
+            with TensorProgress("export", total=len(plan), enabled=progress and is_rank0()) as bar:
                 for name, tensor in bridge._model_bridge.stream_weights_megatron_to_hf(
                     model, shim, cpu=True, show_progress=False
                 ):
@@ -241,11 +241,11 @@ def export_hf(
                 writer.abort()
             raise
         del model
-        if _is_rank0():
+        if is_rank0():
             summary.notes += _export_config_json(hf_source, staging, dtype=declared)
-            copied = _copy_side_files(hf_source, staging)
-            for tokenizer_dir in _tokenizer_dirs(iter_dir):
-                copied += _copy_side_files(tokenizer_dir, staging)
+            copied = copy_side_files(hf_source, staging)
+            for tokenizer_dir in tokenizer_dirs(iter_dir):
+                copied += copy_side_files(tokenizer_dir, staging)
             if not any(name.startswith("tokenizer") or name.endswith(".model") for name in copied):
                 summary.notes.append("no tokenizer files known for this checkpoint; add them to the export yourself")
     summary.seconds = time.perf_counter() - start

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from bridge_ext.convert.parallel import _init_parallel
+from bridge_ext.convert.parallel import init_model_parallel
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields, upstream_bridge_config
 
-__all__ = []
+__all__ = ["ConfigSource", "bridge_for", "build_model", "model_param_names", "prepare_runtime"]
 
 
 def _use_cpu() -> bool:
@@ -18,7 +18,7 @@ def _use_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def _prepare_runtime() -> bool:
+def prepare_runtime() -> bool:
     """Import guards, CPU mode when no GPU is visible, and the conversion patches (SequentialMLP experts). True on CPU."""
     from bridge_ext import patches
 
@@ -58,7 +58,7 @@ def _configure_provider(provider: Any, *, cpu: bool, dtype: Any) -> None:
     provider.use_cpu_initialization = cpu
 
 
-class _ConfigSource:
+class ConfigSource:
     """What Megatron Bridge's conversion reads from an HF model, without weights.
 
     ``build_conversion_tasks`` needs ``state.source.get_all_keys()`` (``model_bridge.py:1185``) to decide which
@@ -76,7 +76,7 @@ class _ConfigSource:
         self.state = state if state is not None else StateDict({k: torch.empty(0, device="meta") for k in keys})
 
 
-def _bridge_for(config: Any, pretrained: Any | None = None, *, model_type: str | None = None) -> Any:
+def bridge_for(config: Any, pretrained: Any | None = None, *, model_type: str | None = None) -> Any:
     """An ``AutoBridge`` for a transformers config (built by :func:`bridge_ext.hf.load_hf_config`).
 
     ``model_type``: the ``config.json``'s own; where Megatron Bridge has a bridge for it (``KimiK2Bridge`` for
@@ -95,14 +95,14 @@ def _bridge_for(config: Any, pretrained: Any | None = None, *, model_type: str |
     return AutoBridge(pretrained if pretrained is not None else config)
 
 
-def _build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> list[Any]:
+def build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> list[Any]:
     provider = bridge.to_megatron_provider(load_weights=False)
     hf = bridge.hf_pretrained  # a PreTrainedCausalLM, or a bare transformers config
     apply_config_stated_fields(provider, getattr(hf, "config", hf))
     _configure_provider(provider, cpu=cpu, dtype=dtype)
     _apply_layout(provider, tp=tp, pp=pp, ep=ep)
     provider.finalize()
-    _init_parallel(tp=tp, pp=pp, ep=ep, cpu=cpu)
+    init_model_parallel(tp=tp, pp=pp, ep=ep, cpu=cpu)
     return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
 
 
@@ -121,7 +121,7 @@ def _apply_layout(provider: Any, *, tp: int, pp: int, ep: int) -> None:
     provider.sequence_parallel = False
 
 
-def _model_param_names(model: list[Any]) -> list[tuple[int, str]]:
+def model_param_names(model: list[Any]) -> list[tuple[int, str]]:
     from megatron.bridge.models.conversion.model_bridge import persistent_buffers
 
     names = []

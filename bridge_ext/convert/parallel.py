@@ -11,10 +11,11 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["check_layout"]
+__all__ = ["barrier", "check_layout", "init_model_parallel", "is_rank0", "process_group", "shared_path",
+           "union_over_ranks"]
 
 
-def _is_rank0() -> bool:
+def is_rank0() -> bool:
     """Rank 0 of the process group; before it exists (or after), torchrun's ``RANK`` (0 without torchrun)."""
     try:
         import torch.distributed as dist
@@ -35,14 +36,14 @@ def _world_size() -> int:
         return 1
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if _world_size() > 1:
         import torch.distributed as dist
 
         dist.barrier()
 
 
-def _shared_path(make: Callable[[], str]) -> Path:
+def shared_path(make: Callable[[], str]) -> Path:
     """``make()`` on rank 0, the same path on every rank (one staging directory for a torchrun job)."""
     if _world_size() == 1:
         return Path(make())
@@ -53,7 +54,7 @@ def _shared_path(make: Callable[[], str]) -> Path:
     return Path(box[0])
 
 
-def _union_over_ranks(items: set[str]) -> set[str]:
+def union_over_ranks(items: set[str]) -> set[str]:
     """The union of every rank's ``items`` (the set itself in one process)."""
     if _world_size() == 1:
         return items
@@ -65,7 +66,7 @@ def _union_over_ranks(items: set[str]) -> set[str]:
 
 
 @contextlib.contextmanager
-def _distributed(cpu: bool) -> Iterator[None]:
+def process_group(cpu: bool) -> Iterator[None]:
     """A process group and Megatron parallel state: world size 1 unless launched by torchrun."""
     import torch
     import torch.distributed as dist
@@ -139,7 +140,7 @@ def check_layout(config: Any, *, tp: int, pp: int, ep: int) -> None:
                         f"`torchrun --nproc-per-node {need} $(which nemo) llm ...` or lower the sizes")
 
 
-def _init_parallel(*, tp: int, pp: int, ep: int, cpu: bool) -> None:
+def init_model_parallel(*, tp: int, pp: int, ep: int, cpu: bool) -> None:
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

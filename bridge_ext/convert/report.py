@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.parallel import _is_rank0
+from bridge_ext.convert.parallel import is_rank0
 from bridge_ext.errors import UserError
 
-__all__ = ['ConversionSummary']
+__all__ = ["ConversionSummary", "TensorProgress", "human_bytes", "quiet_upstream", "say_on_rank0"]
 
 
 @dataclass
@@ -37,12 +37,12 @@ class ConversionSummary:
     def line(self) -> str:
         verified = "" if self.max_logit_diff is None else f", verified: max |logit diff| {self.max_logit_diff:.2e}"
         return (
-            f"{self.direction}: {self.tensors} tensors, {_human_bytes(self.bytes)} in {self.seconds:.1f} s "
-            f"({_human_bytes(self.throughput)}/s){verified} -> {self.out}"
+            f"{self.direction}: {self.tensors} tensors, {human_bytes(self.bytes)} in {self.seconds:.1f} s "
+            f"({human_bytes(self.throughput)}/s){verified} -> {self.out}"
         )
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -50,7 +50,7 @@ def _human_bytes(n: float) -> str:
     raise AssertionError
 
 
-class _Progress:
+class TensorProgress:
     """A rich progress bar over tensors (with bytes), or nothing when disabled / not on rank 0."""
 
     def __init__(self, description: str, *, total: int, enabled: bool):
@@ -75,7 +75,7 @@ class _Progress:
         self._total = total
         self._bytes = 0
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> TensorProgress:
         self._start = time.perf_counter()
         if self._bar is not None:
             self._bar.__enter__()
@@ -91,16 +91,16 @@ class _Progress:
         self._bytes += nbytes
         if self._bar is not None:
             elapsed = max(time.perf_counter() - self._start, 1e-9)
-            self._bar.update(self._task, advance=tensors, size=_human_bytes(self._bytes),
-                             rate=f"{_human_bytes(self._bytes / elapsed)}/s")  # fmt: skip
+            self._bar.update(self._task, advance=tensors, size=human_bytes(self._bytes),
+                             rate=f"{human_bytes(self._bytes / elapsed)}/s")  # fmt: skip
 
 
-# (stdout, stderr) while :func:`_quiet_upstream` captures upstream chatter; our own output goes here.
+# (stdout, stderr) while :func:`quiet_upstream` captures upstream chatter; our own output goes here.
 _REAL_STREAMS: tuple[Any, Any] | None = None
 
 
 @contextlib.contextmanager
-def _quiet_upstream(*, verbose: bool) -> Iterator[Callable[[str], None]]:
+def quiet_upstream(*, verbose: bool) -> Iterator[Callable[[str], None]]:
     """Keep Megatron / transformers / torch chatter (prints, tqdm bars, warnings) out of the CLI's output.
 
     Yields the function that prints our own progress lines. Upstream output is buffered and shown (last 60
@@ -142,6 +142,7 @@ def _quiet_upstream(*, verbose: bool) -> Iterator[Callable[[str], None]]:
         _REAL_STREAMS = None
 
 
-def _say(console: Callable[[str], None] | None, message: str) -> None:
-    if console is not None and _is_rank0():
+def say_on_rank0(console: Callable[[str], None] | None, message: str) -> None:
+    """``console(message)`` on rank 0 (a torchrun conversion reports once); nothing without a console."""
+    if console is not None and is_rank0():
         console(message)

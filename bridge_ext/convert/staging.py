@@ -11,13 +11,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.parallel import _barrier, _is_rank0, _shared_path
+from bridge_ext.convert.parallel import barrier, is_rank0, shared_path
 from bridge_ext.errors import UserError
 
-__all__ = []
+__all__ = ["check_target", "staged_output"]
 
 
-def _check_target(target: Path, *, overwrite: bool, inputs: Iterable[Path]) -> None:
+def check_target(target: Path, *, overwrite: bool, inputs: Iterable[Path]) -> None:
     """Refuse targets that would clobber data or inputs, before any work is done."""
     if target.exists() and not target.is_dir():
         raise UserError(f"output {target} exists and is not a directory; choose another --out")
@@ -31,7 +31,7 @@ def _check_target(target: Path, *, overwrite: bool, inputs: Iterable[Path]) -> N
 
 
 @contextlib.contextmanager
-def _staged_output(target: Path) -> Iterator[Path]:
+def staged_output(target: Path) -> Iterator[Path]:
     """Yield a temporary directory beside ``target``; on success it replaces ``target``, else it is removed.
 
     Beside the target (same filesystem) so the final step is a rename, not a copy. SIGTERM is turned into
@@ -49,10 +49,10 @@ def _staged_output(target: Path) -> Iterator[Path]:
     staging: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = _shared_path(lambda: tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        staging = shared_path(lambda: tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         yield staging
-        _barrier()  # every rank has written its part
-        if _is_rank0():
+        barrier()  # every rank has written its part
+        if is_rank0():
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
                 os.replace(target, old / "x")
@@ -60,7 +60,7 @@ def _staged_output(target: Path) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(staging, target)
-        _barrier()  # and every rank returns with the output in place (e.g. to export it next)
+        barrier()  # and every rank returns with the output in place (e.g. to export it next)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

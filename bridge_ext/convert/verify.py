@@ -8,9 +8,9 @@ from typing import Any
 from bridge_ext.convert.expert_layout import assemble, expert_layout
 from bridge_ext.convert.hf_dir import HFSource, model_tensor_shapes, inspect_hf_dir
 from bridge_ext.convert.hf_read import HFTensorReader
-from bridge_ext.convert.megatron_ckpt import _load_model_weights
-from bridge_ext.convert.model import _bridge_for, _build_model, _prepare_runtime
-from bridge_ext.convert.parallel import _distributed
+from bridge_ext.convert.megatron_ckpt import load_model_weights
+from bridge_ext.convert.model import bridge_for, build_model, prepare_runtime
+from bridge_ext.convert.parallel import process_group
 
 __all__ = ['VERIFY_TOLERANCE', 'verify_logits']
 
@@ -39,14 +39,14 @@ def verify_logits(
     """
     import torch
     source = source or inspect_hf_dir(hf)
-    cpu = _prepare_runtime() if cpu is None else cpu
+    cpu = prepare_runtime() if cpu is None else cpu
     device = "cpu" if cpu else f"cuda:{torch.cuda.current_device()}"
     tokens = _verify_tokens(source.config.vocab_size)
 
-    with _distributed(cpu):
-        bridge = _bridge_for(source.config, model_type=source.raw_config.get("model_type"))
-        model = _build_model(bridge, cpu=cpu, dtype=torch.float32)
-        _load_model_weights(Path(iter_dir), model)
+    with process_group(cpu):
+        bridge = bridge_for(source.config, model_type=source.raw_config.get("model_type"))
+        model = build_model(bridge, cpu=cpu, dtype=torch.float32)
+        load_model_weights(Path(iter_dir), model)
         megatron_model = model[0]
         megatron_model.eval()
         ids = tokens.to(device)
