@@ -107,6 +107,20 @@ def test_stack_differences_catches_a_changed_value():
     assert stack_differences(shipped, built) == ["model.beta_fast: shipped 1.0, built 32"]
 
 
+def test_stack_differences_allows_a_new_field_only_at_its_default():
+    """A field the shipped YAML's release lacks is a release shape at the installed class's default (2 for
+    TransformerConfig.moe_router_topk in megatron-core 0.16-0.19), a difference otherwise; a removed field only
+    at the behaviour the newer release always runs."""
+    target = "megatron.core.transformer.transformer_config.TransformerConfig"
+    shipped = {"model": {"_target_": target, "num_layers": 2, "moe_use_legacy_grouped_gemm": False}}
+    assert stack_differences(shipped, {"model": {"_target_": target, "num_layers": 2, "moe_router_topk": 2}}) == []
+    assert stack_differences(shipped, {"model": {"_target_": target, "num_layers": 2, "moe_router_topk": 8}}) == [
+        "model.moe_router_topk only in built"]
+    legacy = {"model": {**shipped["model"], "moe_use_legacy_grouped_gemm": True}}
+    assert stack_differences(legacy, {"model": {"_target_": target, "num_layers": 2}}) == [
+        "model.moe_use_legacy_grouped_gemm only in shipped"]
+
+
 def test_yaml_round_trip_is_identical(tmp_path):
     from megatron.bridge.training.config import ConfigContainer
 

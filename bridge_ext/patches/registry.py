@@ -89,6 +89,8 @@ def applied() -> tuple[str, ...]:
 
 
 def _decide(patch: Patch) -> bool | str:
+    if patch.name in _applied:  # its check now reads our replacement (e.g. a validator that accepts the set)
+        return True
     try:
         return patch.needed()
     except UpstreamDrift as exc:
