@@ -182,6 +182,7 @@ def import_streaming(
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
 
     from bridge_ext.convert.hf_read import per_expert_state
+    from bridge_ext.convert.model import ConfigSource
 
     dtype = getattr(torch, source.dtype)
     reader = HFByteReader(source)
@@ -189,8 +190,9 @@ def import_streaming(
         with process_group(True), staged_output(target) as staging:
             pretrained = PreTrainedCausalLM(model_name_or_path=str(hf.absolute()), torch_dtype=dtype)
             pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
+            names = ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
             skeleton = build_skeleton(source.config, model_type=source.raw_config.get("model_type"), dtype=dtype,
-                                      state=per_expert_state(source), pretrained=pretrained)  # fmt: skip
+                                      hf=names, pretrained=pretrained)  # fmt: skip
             converter = _Converter(skeleton, source, reader, progress=None)
             with TensorProgress("import", total=converter.total, enabled=progress and is_rank0()) as bar:
                 converter.progress = bar

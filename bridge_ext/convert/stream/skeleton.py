@@ -56,19 +56,20 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def build_skeleton(config: Any, *, model_type: str | None, dtype: Any, state: Any, pretrained: Any = None) -> Skeleton:
+def build_skeleton(config: Any, *, model_type: str | None, dtype: Any, hf: Any, pretrained: Any = None) -> Skeleton:
     """The meta model for the HF ``config`` with parameters in ``dtype`` and its conversion tasks.
 
-    ``state``: what ``build_conversion_tasks`` checks the mappings' HF names against (``get_all_keys``): the
-    checkpoint's tensors for an import, the architecture's for an export. Needs Megatron's parallel state for
-    one process (``bridge_ext.convert.parallel.process_group``). Raises :class:`NeedsModel` when a parameter
-    has no mapping. ``pretrained``: Megatron Bridge's ``PreTrainedCausalLM`` of an import's source (its
-    generation config goes into the provider, hence ``run_config.yaml``), as the model-building import passes.
+    ``hf``: what Megatron Bridge's ``build_conversion_tasks`` reads (``config`` and ``state.source.get_all_keys()``,
+    the HF names the mappings may use): a :class:`bridge_ext.convert.model.ConfigSource` over the checkpoint's
+    tensors (import) or the architecture's (export). ``pretrained``: the import source's ``PreTrainedCausalLM``
+    (its generation config goes into the provider, hence ``run_config.yaml``), as the model-building import
+    passes it. Needs Megatron's parallel state for one process (``bridge_ext.convert.parallel.process_group``).
+    Raises :class:`NeedsModel` when a parameter has no mapping.
     """
     import torch
     from megatron.bridge.models.conversion.model_bridge import persistent_buffers
 
-    from bridge_ext.convert.model import ConfigSource, bridge_for, build_model
+    from bridge_ext.convert.model import bridge_for, build_model
 
     bridge = bridge_for(config, pretrained, model_type=model_type)
     with torch.device("meta"):  # explicit-device tensors (router expert_bias) stay real; they are small
@@ -82,9 +83,8 @@ def build_skeleton(config: Any, *, model_type: str | None, dtype: Any, state: An
                 continue
             params[(vp, name)] = tensor
             owners[tensor.untyped_storage()._cdata] = (vp, name)
-    pretrained = ConfigSource(config, path=None, state=state)
     tasks = {}
-    for task in bridge._model_bridge.build_conversion_tasks(pretrained, model):
+    for task in bridge._model_bridge.build_conversion_tasks(hf, model):
         if task is not None and task.megatron_module is not None:
             tasks[(task.vp_stage or 0, task.param_name)] = task
     missing = [key for key in params if key not in tasks]
