@@ -3,6 +3,8 @@
 Kimi K2's ``config.json`` says ``model_type: kimi_k2`` with an ``auto_map`` into the repository's own
 ``configuration_deepseek.py``; transformers does not know that type. The architecture is DeepSeek-V3
 (``architectures: ["DeepseekV3ForCausalLM"]``), so we build transformers' own ``DeepseekV3Config`` from it.
+Which ``model_type`` builds which is recipe data: :data:`recipes.families.FAMILIES`
+(``transformers_model_type``), read when a config is loaded.
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_TYPE_ALIASES", "apply_config_stated_fields", "read_config_json", "load_hf_config",
-           "upstream_bridge_config", "upstream_bridge_for_model_type"]
+from recipes.families import family
 
-# model_type in a config.json -> the transformers model_type that implements it.
-MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+__all__ = ["apply_config_stated_fields", "read_config_json", "load_hf_config", "transformers_model_type",
+           "upstream_bridge_config", "upstream_bridge_for_model_type"]
 
 # Keys that point at remote code or describe how one checkpoint is stored, not the architecture.
 _NON_ARCHITECTURE_KEYS = ("auto_map", "quantization_config")
@@ -29,26 +30,32 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         return json.load(handle)
 
 
+def transformers_model_type(model_type: str | None) -> str | None:
+    """The transformers ``model_type`` that builds a ``config.json`` of ``model_type``: its family's
+    (:attr:`recipes.families.ModelFamily.config_model_type`), else ``model_type`` itself."""
+    known = family(model_type)
+    return known.config_model_type if known is not None else model_type
+
+
 def load_hf_config(path: str | Path):
     """A transformers ``PretrainedConfig`` for ``path``, never executing remote code."""
     from transformers import AutoConfig
 
     raw = read_config_json(path)
-    model_type = raw.get("model_type")
-    target_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    target_type = transformers_model_type(raw.get("model_type"))
     fields = {k: v for k, v in raw.items() if k not in _NON_ARCHITECTURE_KEYS and k != "model_type"}
     return AutoConfig.for_model(target_type, **fields)
 
 
 def upstream_bridge_for_model_type(model_type: str | None) -> Any | None:
-    """Megatron Bridge's own bridge class for a ``config.json`` model_type that transformers knows only under an
-    alias (:data:`MODEL_TYPE_ALIASES`), where the installed Megatron Bridge registers one; else None.
+    """Megatron Bridge's own bridge class for a ``config.json`` model_type that transformers knows only under
+    another (:func:`transformers_model_type`), where the installed Megatron Bridge registers one; else None.
 
     megatron-bridge 0.4 added ``KimiK2Bridge`` (``models/kimi/kimi_bridge.py``: ``register_bridge(source=
     "KimiK2ForCausalLM", model_type="kimi_k2")``, which stores ``SOURCE_NAME`` / ``MODEL_TYPE`` on the class);
     0.3 has no ``MODEL_TYPE`` and no Kimi K2 bridge.
     """
-    if model_type not in MODEL_TYPE_ALIASES:
+    if model_type is None or transformers_model_type(model_type) == model_type:
         return None
     import megatron.bridge.models  # noqa: F401  (registers every bridge)
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge

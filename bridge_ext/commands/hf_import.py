@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.convert.verify import VERIFY_TOLERANCE
+from recipes.families import FAMILIES
 
 __all__ = ["add_parallel_arguments", "add_parser", "positive", "run", "size_in_bytes"]
 
@@ -39,8 +40,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         name,
         help="Hugging Face directory -> Megatron checkpoint",
-        description="Convert a Hugging Face model directory (Qwen3, Qwen3-MoE, DeepSeek-V3 / Kimi K2) into a "
-        "Megatron torch_dist checkpoint that recipes load with checkpoint.pretrained_checkpoint=OUT.",
+        description=f"Convert a Hugging Face model directory ({', '.join(f.display for f in FAMILIES.values())}) "
+        "into a Megatron torch_dist checkpoint that recipes load with checkpoint.pretrained_checkpoint=OUT.",
     )
     p.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, type=Path, help="directory for the Megatron checkpoint")

@@ -42,10 +42,10 @@ from bridge_ext.convert.cli import run_export, run_import
 from bridge_ext.convert.fp8 import dequantize_fp8
 from bridge_ext.convert.hf_dir import (
     HF_SOURCE_DIR,
-    SUPPORTED_ARCHITECTURES,
     HFSource,
     inspect_hf_dir,
     read_safetensors_header,
+    supported_architectures,
 )
 from bridge_ext.convert.hf_to_megatron import import_hf
 from bridge_ext.convert.megatron_ckpt import find_iteration
@@ -56,7 +56,6 @@ from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
 __all__ = [
     "DEFAULT_SHARD_BYTES",
     "HF_SOURCE_DIR",
-    "SUPPORTED_ARCHITECTURES",
     "VERIFY_TOLERANCE",
     "ConversionSummary",
     "HFSource",
@@ -68,5 +67,6 @@ __all__ = [
     "read_safetensors_header",
     "run_export",
     "run_import",
+    "supported_architectures",
     "verify_logits",
 ]

@@ -20,20 +20,13 @@ from bridge_ext.convert.expert_layout import (
     per_expert_views,
 )
 from bridge_ext.errors import UserError
+from recipes.architecture import Architecture
+from recipes.families import FAMILIES, ModelFamily, families_of_architecture, family
 
-__all__ = ["CONVERSION_RECORD", "FLOAT_ST", "HF_SOURCE_DIR", "SAFETENSORS_DTYPES", "SUPPORTED_ARCHITECTURES", "TORCH_TO_ST",
-           "HFSource", "TensorInfo", "config_from_dir", "copy_side_files", "expected_hf_tensors", "hf_tokenizer_loadable",
-           "inspect_hf_dir", "model_tensor_shapes", "read_safetensors_header"]
-
-
-# HF architecture -> the family name used in messages and docs. Megatron Bridge 0.3.1 has bridges for each.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Qwen3ForCausalLM": "Qwen3",
-    "Qwen3MoeForCausalLM": "Qwen3-MoE",
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi K2",
-}
-
-# Largest |logit difference| --verify accepts, in fp32. Two correct fp32 implementations differ only by
+__all__ = ["CONVERSION_RECORD", "FLOAT_ST", "HF_SOURCE_DIR", "SAFETENSORS_DTYPES", "TORCH_TO_ST", "HFSource",
+           "TensorInfo", "architecture_of", "config_from_dir", "convertible_family", "copy_side_files",
+           "expected_hf_tensors", "hf_tokenizer_loadable", "inspect_hf_dir", "model_tensor_shapes",
+           "read_safetensors_header", "supported_architectures"]
 
 
 # Next to an imported checkpoint: the source's config.json (bytes), tokenizer and generation files.
@@ -84,7 +77,8 @@ class HFSource:
     path: Path
     raw_config: dict[str, Any]
     config: Any  # transformers PretrainedConfig (never from remote code)
-    architecture: str
+    architecture: str  # the HF class (config.json's `architectures` entry) Megatron Bridge converts it with
+    family: ModelFamily  # its model_type's entry in recipes.families.FAMILIES
     tensors: dict[str, TensorInfo]
     files: list[str]
     dtype: str  # the weights' dtype as a torch dtype name ("bfloat16", ...)
@@ -179,9 +173,44 @@ def _st_to_torch_name(code: str) -> str:
     return {v: k for k, v in TORCH_TO_ST.items()}.get(code, code.lower())
 
 
+def supported_architectures() -> list[str]:
+    """The HF classes conversion accepts: those of :data:`recipes.families.FAMILIES`, in its order."""
+    return list(dict.fromkeys(f.hf_architecture for f in FAMILIES.values()))
+
+
+def convertible_family(raw: dict[str, Any], *, where: Path) -> ModelFamily:
+    """The family of a ``config.json`` (``raw``, read from ``where``): its ``architectures`` name a family's HF
+    class and its ``model_type`` is that family. Anything else is a :class:`UserError` that says what is supported.
+
+    Decided from recipe data (:data:`recipes.families.FAMILIES`) before transformers is imported.
+    """
+    architectures = raw.get("architectures") or []
+    supported = supported_architectures()
+    architecture = next((a for a in architectures if a in supported), None)
+    model_type = raw.get("model_type")
+    if architecture is None:
+        from bridge_ext.errors import closest
+
+        name = architectures[0] if architectures else f"model_type {model_type!r}"
+        hint = closest(str(name), supported)
+        raise UserError(f"unsupported architecture {name}{hint}; supported: {', '.join(supported)}")
+    known = family(model_type)
+    if known is None or known.hf_architecture != architecture:
+        types = ", ".join(f.model_type for f in families_of_architecture(architecture))
+        raise UserError(f"{where}: architecture {architecture} with model_type {model_type!r} is not supported "
+                        f"(model_types of {architecture}: {types})")
+    return known
+
+
+def architecture_of(config: Any, raw: dict[str, Any]) -> Architecture:
+    """The recipes' :class:`~recipes.architecture.Architecture` of a checkpoint: its ``config.json`` (``raw``),
+    keys it leaves out at the transformers ``config``'s defaults."""
+    return Architecture.from_hf_config({**config.to_dict(), **raw})
+
+
 def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     """Validate a Hugging Face checkpoint directory; raise :class:`UserError` naming the first problem."""
-    from bridge_ext.hf import MODEL_TYPE_ALIASES, load_hf_config
+    from bridge_ext.hf import load_hf_config
 
     path = Path(path)
     if not path.exists():
@@ -197,15 +226,8 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
         raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{config_file} is not a JSON object")
-    architectures = raw.get("architectures") or []
-    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if architecture is None:
-        from bridge_ext.errors import closest
-
-        name = architectures[0] if architectures else f"model_type {raw.get('model_type')!r}"
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        hint = closest(str(name), SUPPORTED_ARCHITECTURES)
-        raise UserError(f"unsupported architecture {name}{hint}; supported: {supported}")
+    model_family = convertible_family(raw, where=config_file)
+    architecture = model_family.hf_architecture
     try:
         config = load_hf_config(path)
     except (ValueError, KeyError, TypeError) as exc:
@@ -214,11 +236,6 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
         raise UserError(
             f"{config_file}: transformers cannot build a config for model_type {model_type!r} ({first})"
         ) from None
-    if config.model_type not in {"qwen3", "qwen3_moe", "deepseek_v3"}:
-        raise UserError(
-            f"{config_file}: architecture {architecture} with model_type {raw.get('model_type')!r} is not supported "
-            f"(known aliases: {', '.join(MODEL_TYPE_ALIASES) or 'none'})"
-        )
 
     # Shards: the index, if any, names them; otherwise every *.safetensors in the directory.
     index_file = path / "model.safetensors.index.json"
@@ -277,8 +294,8 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     block = tuple(quant.get("weight_block_size") or (128, 128))
     if fp8 and (len(block) != 2 or quant.get("fmt", "e4m3") != "e4m3"):
         raise UserError(f"{config_file}: only e4m3 fp8 with 2-D weight_block_size is supported, got {quant}")
-    return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, tensors=tensors,
-                    files=files, dtype=dtype, fp8=fp8, fp8_block=block, expert_layout=layout,
+    return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, family=model_family,
+                    tensors=tensors, files=files, dtype=dtype, fp8=fp8, fp8_block=block, expert_layout=layout,
                     expert_views=views)  # fmt: skip
 
 
@@ -355,16 +372,14 @@ def hf_tokenizer_loadable(path: Path) -> bool:
     return True
 
 
-def config_from_dir(path: Path) -> tuple[Any, str, dict[str, Any]]:
-    """Config, architecture and raw dict of a config-only directory (no weights to validate)."""
+def config_from_dir(path: Path) -> tuple[Any, ModelFamily, dict[str, Any]]:
+    """Config, family and raw dict of a config-only directory (no weights to validate)."""
     from bridge_ext.hf import load_hf_config
 
     try:
         raw = json.loads((path / "config.json").read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}/config.json is not valid JSON ({exc.msg})") from None
-    architecture = next((a for a in raw.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
-    if architecture is None:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise UserError(f"unsupported architecture {raw.get('architectures')}; supported: {supported}")
-    return load_hf_config(path), architecture, raw
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}/config.json is not a JSON object")
+    return load_hf_config(path), convertible_family(raw, where=path / "config.json"), raw

@@ -14,8 +14,8 @@ from bridge_ext.convert.fp8 import fp8_dequantizing
 from bridge_ext.convert.hf_dir import (
     CONVERSION_RECORD,
     HF_SOURCE_DIR,
-    SUPPORTED_ARCHITECTURES,
     HFSource,
+    architecture_of,
     copy_side_files,
     hf_tokenizer_loadable,
     inspect_hf_dir,
@@ -112,9 +112,9 @@ def import_hf(
     if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
     source = inspect_hf_dir(hf)
-    check_layout(source.config, tp=tp, pp=pp, ep=ep)
+    check_layout(architecture_of(source.config, source.raw_config), tp=tp, pp=pp, ep=ep)
     summary = ConversionSummary(direction="import", out=target)
-    say_on_rank0(console, f"importing {SUPPORTED_ARCHITECTURES[source.architecture]} from {hf} "
+    say_on_rank0(console, f"importing {source.family.display} from {hf} "
                           f"({len(source.tensors)} tensors, {human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
 
     cpu = prepare_runtime()

@@ -10,9 +10,10 @@ from typing import Any
 from bridge_ext import checkpoints
 from bridge_ext.convert.hf_dir import HF_SOURCE_DIR
 from bridge_ext.errors import UserError
+from recipes.architecture import Architecture
 
 __all__ = ["cause_line", "checkpoint_param_dtype", "find_iteration", "hf_source_for_checkpoint",
-           "load_model_weights", "tokenizer_dirs"]
+           "load_model_weights", "provider_fields", "tokenizer_dirs"]
 
 
 # Which iteration to export: the one a rerun of the training command resumes from (bridge_ext.checkpoints,
@@ -61,57 +62,46 @@ def hf_source_for_checkpoint(ckpt: Path, iter_dir: Path, explicit: Path | None) 
     )
 
 
-# HF config key -> Megatron provider field, for recognizing which shipped config a run trained.
-_PROVIDER_FIELDS: dict[str, str] = {
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_attention_heads",
-    "vocab_size": "vocab_size",
-    "intermediate_size": "ffn_hidden_size",
-    "num_key_value_heads": "num_query_groups",
-    "head_dim": "kv_channels",
-    "num_experts": "num_moe_experts",
-    "n_routed_experts": "num_moe_experts",
-    "moe_intermediate_size": "moe_ffn_hidden_size",
-    "num_experts_per_tok": "moe_router_topk",
-    "kv_lora_rank": "kv_lora_rank",
-    "q_lora_rank": "q_lora_rank",
-    "qk_rope_head_dim": "qk_pos_emb_head_dim",
-    "v_head_dim": "v_head_dim",
-}
-
-
-def _shipped_config_dirs() -> list[Path]:
-    try:
-        from recipes.models import HF_CONFIGS
-    except ImportError:  # recipes not installed: nothing shipped to match
-        return []
-    return sorted(p.parent for p in Path(HF_CONFIGS).glob("*/config.json"))
+def provider_fields(architecture: Architecture) -> dict[str, Any]:
+    """The Megatron provider fields (as a run's ``run_config.yaml`` records its ``model`` section) that a model's
+    architecture fixes: Megatron Bridge's bridges set them from the HF config (``CONFIG_MAPPING`` of
+    ``model_bridge.py`` / each family's ``provider_bridge``), here read from the recipes' parsed
+    :class:`~recipes.architecture.Architecture`, so a family's own key names are interpreted in one place."""
+    a = architecture
+    fields: dict[str, Any] = {
+        "hidden_size": a.hidden_size, "num_layers": a.num_layers, "num_attention_heads": a.num_attention_heads,
+        "vocab_size": a.vocab_size, "ffn_hidden_size": a.ffn_hidden_size, "num_query_groups": a.num_kv_heads,
+        "num_moe_experts": a.moe.experts if a.moe else None, "multi_latent_attention": a.mla is not None,
+    }  # fmt: skip
+    if a.moe:
+        fields.update(moe_ffn_hidden_size=a.moe.ffn_hidden_size, moe_router_topk=a.moe.top_k)
+    if a.mla:
+        fields.update(kv_lora_rank=a.mla.kv_lora_rank, q_lora_rank=a.mla.q_lora_rank,
+                      qk_pos_emb_head_dim=a.mla.qk_rope_head_dim, v_head_dim=a.mla.v_head_dim)
+    else:  # MLA's per-head sizes are the fields above; kv_channels is GQA's head_dim
+        fields["kv_channels"] = a.head_dim
+    return fields
 
 
 def _matching_shipped_config(model: dict[str, Any]) -> Path | None:
     """The one shipped ``recipes/hf_configs/<name>`` whose sizes equal the run's model section, if any.
 
     Recipes build their models from these configs (``bridge_ext/build.py``) without recording the directory
-    (``model.hf_model_id`` is null), so a run is recognized by its architecture numbers. A run whose model
-    was overridden matches none and must name its config with ``--hf-config``.
+    (``model.hf_model_id`` is null), so a run is recognized by its architecture numbers
+    (:func:`provider_fields` of each model spec's :class:`~recipes.architecture.Architecture`). A run whose
+    model was overridden matches none and must name its config with ``--hf-config``.
     """
+    from recipes.models import MODELS
+
     if not model.get("hidden_size") or not model.get("num_layers"):
         return None
     matches = []
-    for directory in _shipped_config_dirs():
-        try:
-            raw = json.loads((directory / "config.json").read_text())
-        except (OSError, ValueError):
-            continue
-        expected = {field: raw[key] for key, field in _PROVIDER_FIELDS.items() if key in raw}
-        if not any(key in raw for key in ("num_experts", "n_routed_experts")):
-            expected["num_moe_experts"] = None
-        expected["multi_latent_attention"] = "kv_lora_rank" in raw
+    for spec in MODELS.values():
+        expected = provider_fields(spec.architecture)
         if all(model.get(field, False if field == "multi_latent_attention" else None) == value
                for field, value in expected.items()):  # fmt: skip
-            matches.append(directory)
-    return matches[0] if len(matches) == 1 else None
+            matches.append(spec.config_dir)
+    return matches[0] if len(set(matches)) == 1 else None
 
 
 def checkpoint_param_dtype(iter_dir: Path) -> Any:

@@ -14,10 +14,10 @@ from typing import Any
 
 from bridge_ext.convert.hf_dir import (
     CONVERSION_RECORD,
-    SUPPORTED_ARCHITECTURES,
     FLOAT_ST,
     SAFETENSORS_DTYPES,
     TORCH_TO_ST,
+    architecture_of,
     config_from_dir,
     copy_side_files,
     expected_hf_tensors,
@@ -193,17 +193,17 @@ def export_hf(
     hf_source = hf_source_for_checkpoint(ckpt, iter_dir, Path(hf_config) if hf_config else None)
     source = inspect_hf_dir(hf_source, check_tensors=False) if any(hf_source.glob("*.safetensors")) else None
     if source is None:
-        config, architecture, raw = config_from_dir(hf_source)
+        config, family, raw = config_from_dir(hf_source)
     else:
-        config, architecture, raw = source.config, source.architecture, source.raw_config
-    check_layout(config, tp=tp, pp=pp, ep=ep)
+        config, family, raw = source.config, source.family, source.raw_config
+    check_layout(architecture_of(config, raw), tp=tp, pp=pp, ep=ep)
     record_file = hf_source / CONVERSION_RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     declared = str(raw.get("torch_dtype") or raw.get("dtype") or record.get("dtype") or "bfloat16")
     declared = declared.replace("torch.", "")
     if declared not in TORCH_TO_ST:
         raise UserError(f"{hf_source}/config.json: unsupported torch_dtype {declared!r}")
-    say_on_rank0(console, f"exporting {SUPPORTED_ARCHITECTURES[architecture]} iteration {number} from {iter_dir} "
+    say_on_rank0(console, f"exporting {family.display} iteration {number} from {iter_dir} "
                           f"(config from {hf_source})")  # fmt: skip
 
     cpu = prepare_runtime()

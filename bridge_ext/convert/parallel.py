@@ -7,9 +7,12 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bridge_ext.errors import UserError
+
+if TYPE_CHECKING:
+    from recipes.architecture import Architecture
 
 __all__ = ["barrier", "check_layout", "init_model_parallel", "is_rank0", "process_group", "shared_path",
            "union_over_ranks"]
@@ -116,8 +119,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def check_layout(config: Any, *, tp: int, pp: int, ep: int) -> None:
-    """Refuse a ``--tp/--pp/--ep`` layout the processes or the HF ``config``'s model cannot take, in one line.
+def check_layout(architecture: Architecture, *, tp: int, pp: int, ep: int) -> None:
+    """Refuse a ``--tp/--pp/--ep`` layout the processes or the model (its ``architecture``, as the recipes parse
+    it: layers and experts whatever the family calls them) cannot take, in one line.
 
     Before any work, from torchrun's ``WORLD_SIZE``. Megatron's own checks (``TransformerConfig``,
     ``initialize_model_parallel``) would stop later with an assertion: the experts must divide by EP, the
@@ -125,8 +129,8 @@ def check_layout(config: Any, *, tp: int, pp: int, ep: int) -> None:
     equals TP here).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    layers = config.num_hidden_layers
-    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    layers = architecture.num_layers
+    experts = architecture.moe.experts if architecture.moe else 0
     if ep > 1 and not experts:
         raise UserError(f"--ep {ep} needs a mixture-of-experts model; this one has no experts, drop --ep")
     if experts and experts % ep:
