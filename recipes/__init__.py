@@ -87,6 +87,10 @@ _MUON_PRESET_BY_FAMILY = {
               "no-op under it)"),
 }
 _MUON_PRESET_BY_FAMILY["qwen3_moe"] = _MUON_PRESET_BY_FAMILY["qwen3"]
+# DeepSeek-V3's architecture as Moonlight-16B-A3B has it (the one model of that family shipped): its own run
+_MUON_PRESET_BY_FAMILY["deepseek_v3"] = (
+    "moonlight_16b", "Moonlight's own pre-training run (arXiv 2502.16982, sec. 3.3), the run Muon's scaling claims "
+    "rest on; its AdamW twin is the paper's Moonlight-A (the same settings with AdamW)")
 
 # Proxies run 50-200 iterations instead of 10^5-10^6: the schedule is shortened (the same shape).
 # Learning rates tuned once on qwen3_proxy with `nemo llm compare` over 1e-3..2e-2, 200 iterations, two

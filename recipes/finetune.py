@@ -7,12 +7,13 @@ SFT/PEFT ``ConfigContainer`` and runs its ``finetune()``.
 
 Settings and where they come from (the recipe cards in docs/finetune.md repeat them):
 
-* Optimizer: Moonlight (arXiv 2502.16982, sec. 3.4) fine-tunes with the same Muon as pre-training (update
+* Optimizer: Moonlight (arXiv 2502.16982, sec. 3.5) fine-tunes with the same Muon as pre-training (update
   RMS matched to AdamW's, weight decay 0.1) and reports that a Muon-pretrained model fine-tuned with Muon
   does best, and that on an AdamW-pretrained model Muon SFT is on par with AdamW. So the Muon presets are
   the pre-training ones (``moonlight`` for Qwen3, ``kimi_k2`` = MuonClip for Kimi K2) with a fine-tuning
-  schedule; each has an AdamW twin with the same schedule. The paper does not state its SFT learning rate,
-  schedule or batch in a form we could verify; we use Megatron Bridge 0.3's own SFT/PEFT templates
+  schedule; each has an AdamW twin with the same schedule. The paper states an SFT learning rate and decay for
+  Moonlight itself (sec. 3.5.1: 5e-5, linear to 0; ``moonlight_16b_sft``) but no warm-up or batch, and nothing
+  for LoRA or for other models' recipes; for those we use Megatron Bridge 0.3's own SFT/PEFT templates
   (``recipes/common.py`` ``_sft_common`` / ``_peft_common``): full SFT lr 5e-6 -> 0, LoRA lr 1e-4 -> 0, 50
   warm-up steps, cosine, Adam beta2 0.98, weight decay 0.1, 1000 iterations, seq 2048 packed, seed 5678.
   Because the Muon update's RMS matches AdamW's (0.2*sqrt(max(A, B))), the AdamW learning rate transfers.
@@ -34,7 +35,7 @@ from recipes import RECIPES, Recipe
 from recipes.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS
-from recipes.optimizers import KIMI_K2, MOONLIGHT, OptimizerPreset, adamw_twin, derive
+from recipes.optimizers import KIMI_K2, MOONLIGHT, MOONLIGHT_16B, OptimizerPreset, adamw_twin, derive
 
 __all__ = ["ALL_RECIPES", "FINETUNE_PRESETS", "FINETUNE_RECIPES", "FinetuneRecipe", "LORA_DEFAULTS", "Mode",
            "get_any_recipe", "get_finetune_recipe"]
@@ -59,23 +60,34 @@ _SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 50, "lr_warmup_init"
              "weight_decay_incr_style": "constant", "override_opt_param_scheduler": True}
 
 
+# Where the paper states a model's own SFT run, its learning rate and decay replace Megatron Bridge's template:
+# Moonlight's SFT (arXiv 2502.16982, sec. 3.5.1: tulu-3-sft-mixture, two epochs, lr 5e-5 decaying linearly to 0).
+# Warm-up, batch and Adam's beta2 stay the template's (the paper states none of them).
+_PAPER_SFT: dict[str, tuple[float, str, str]] = {
+    MOONLIGHT_16B.name: (5e-5, "linear", "Moonlight's own SFT, arXiv 2502.16982 sec. 3.5.1 (lr 5e-5, linear to 0)"),
+}
+
+
 def _finetune_preset(base: OptimizerPreset, mode: Mode) -> OptimizerPreset:
-    lr = 5e-6 if mode == "sft" else 1e-4
+    lr, decay, source = 5e-6 if mode == "sft" else 1e-4, "cosine", f"schedule and lr from {_MB_SOURCE}"
+    if mode == "sft" and base.name in _PAPER_SFT:
+        lr, decay, paper = _PAPER_SFT[base.name]
+        source = f"{paper}; warm-up and Adam beta2 from {_MB_SOURCE}"
     what = "full SFT" if mode == "sft" else "LoRA"
     preset = derive(
         base, name=f"{base.name}_{mode}",
-        summary=f"{base.name}'s Muon for {what}: lr {lr:g} -> 0, 50 warm-up steps, cosine, Adam beta2 0.98",
-        source=f"Moonlight, arXiv 2502.16982 sec. 3.4 (Muon for SFT); schedule and lr from {_MB_SOURCE}",
+        summary=f"{base.name}'s Muon for {what}: lr {lr:g} -> 0, 50 warm-up steps, {decay}, Adam beta2 0.98",
+        source=f"Moonlight, arXiv 2502.16982 sec. 3.5 (Muon for SFT); {source}",
         optimizer={"lr": lr, "min_lr": 0.0, "adam_beta2": 0.98, "weight_decay": 0.1,
                    **({"muon_split_qkv": False} if mode == "lora" else {})},
-        scheduler=_SCHEDULE,
+        scheduler={**_SCHEDULE, "lr_decay_style": decay},
     )
     # a short run: no WSD fractions; LoRA factors are orthogonalized whole
     return replace(preset, schedule_fractions={}, split_gate_up=base.split_gate_up and mode == "sft")
 
 
 FINETUNE_PRESETS: dict[str, OptimizerPreset] = {}
-for _base in (MOONLIGHT, KIMI_K2):
+for _base in (MOONLIGHT, KIMI_K2, MOONLIGHT_16B):
     for _mode in ("sft", "lora"):
         _muon = _finetune_preset(_base, _mode)
         _twin = adamw_twin(_muon)
@@ -124,7 +136,9 @@ _PROXY_WHY = ("a tiny model of the same architecture fine-tuned from a proxy pre
 # Why each pre-training Muon preset carries over to fine-tuning (a model fine-tunes with its `_muon` recipe's preset).
 _WHY = {
     KIMI_K2.name: "MuonClip as in pre-training: Kimi K2's MLA has no QK-norm, so QK-clip keeps bounding the logits",
-    MOONLIGHT.name: "Moonlight's Muon as in pre-training (sec. 3.4: Muon-pretrained models fine-tune best with Muon)",
+    MOONLIGHT.name: "Moonlight's Muon as in pre-training (sec. 3.5: Muon-pretrained models fine-tune best with Muon)",
+    MOONLIGHT_16B.name: ("Moonlight fine-tuned as its paper fine-tunes it: its pre-training Muon (sec. 3.5.1: "
+                         "Moonlight with Muon SFT did best), the paper's SFT learning rate and linear decay"),
 }
 
 

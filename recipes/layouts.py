@@ -139,9 +139,16 @@ _CPU_TP2_EP2 = _cpu_parallel("cpu-tp2-ep2", what="TP2 x DP2 with the experts spl
 _CPU_DENSE = {"cpu": _CPU, "cpu-dp2": _CPU_DP2, "cpu-tp2": _CPU_TP2, "cpu-pp2": _CPU_PP2}
 _CPU_MOE = {**_CPU_DENSE, "cpu-tp2": _CPU_TP2_MOE, "cpu-ep2": _CPU_EP2, "cpu-tp2-ep2": _CPU_TP2_EP2}
 
+# Moonlight-16B-A3B at its paper's batch and sequence (arXiv 2502.16982, sec. 3.3): 4,096 sequences of 8K tokens
+# (33.6 M tokens per step: the paper's batch from 200 B tokens on; 2,048 before, which one fixed global batch
+# cannot follow) on one node or two. EP8 puts 8 of the 64 experts on each GPU; the all-to-all dispatcher.
+_MOONLIGHT = {"moe_token_dispatcher_type": "alltoall"}
+_MOONLIGHT_BATCH = {"global_batch_size": 4096, "seq_length": 8192}
+
 LAYOUTS: dict[str, dict[str, Layout]] = {
     # Kimi K2 proxy: 3 layers over 2 stages, embedding + 2 layers first, 1 layer + loss last
     "kimi_k2_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL")},
+    "moonlight_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL")},  # as kimi_k2_proxy
     "qwen3_proxy": _CPU_DENSE,
     "qwen3_moe_proxy": _CPU_MOE,
     "kimi_k2": {
@@ -157,6 +164,25 @@ LAYOUTS: dict[str, dict[str, Layout]] = {
             pipeline_layout=_KIMI_K2_16_STAGES,
             model={**_SELECTIVE_RECOMPUTE, "moe_token_dispatcher_type": "alltoall"},
             why="Megatron Bridge's upstream Kimi K2 recipe layout (TP2 PP16 EP32)",
+        ),
+    },
+    "moonlight_16b_a3b": {
+        "h100x8": Layout(
+            cluster="h100x8", gpus=8, tp=2, ep=8, micro_batch_size=1, **_MOONLIGHT_BATCH,
+            model={**_SELECTIVE_RECOMPUTE, **_MOONLIGHT},
+            why="one node of 80 GB (H100; H200 likewise): TP2 with sequence parallelism halves the dense weights and "
+                "activations of the 8K sequences, EP8 over TP x DP, selective recompute; the tested 8-GPU layout",
+        ),
+        "gb300x8": Layout(
+            cluster="gb300x8", gpus=8, ep=8, micro_batch_size=2, **_MOONLIGHT_BATCH,
+            model={**_SELECTIVE_RECOMPUTE, **_MOONLIGHT},
+            why="one GB300 node (288 GB): no tensor parallelism, EP8 over the 8 data-parallel ranks, two sequences "
+                "per micro-batch",
+        ),
+        "h100x16": Layout(
+            cluster="h100x16", gpus=16, tp=2, ep=8, micro_batch_size=1, **_MOONLIGHT_BATCH,
+            model={**_SELECTIVE_RECOMPUTE, **_MOONLIGHT},
+            why="two nodes of 80 GB: h100x8's TP2 EP8 inside a node, data parallelism 8 across both",
         ),
     },
     "qwen3_30b_a3b": {

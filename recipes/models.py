@@ -19,7 +19,7 @@ __all__ = ["HF_CONFIGS", "MODELS", "ModelSpec"]
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 
-Family = Literal["kimi_k2", "qwen3", "qwen3_moe"]
+Family = Literal["deepseek_v3", "kimi_k2", "qwen3", "qwen3_moe"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +94,22 @@ MODELS: dict[str, ModelSpec] = {
             provider_source=("init std 0.006: DeepSeek-V3 report (arXiv 2412.19437, sec. 4.2), the architecture Kimi "
                              "K2 scales; Megatron Bridge's KimiK2Provider sets it too"),
         ),
+        ModelSpec(
+            name="moonlight_16b_a3b",
+            display="Moonlight-16B-A3B",
+            family="deepseek_v3",
+            hf_id="moonshotai/Moonlight-16B-A3B",
+            # sec. 3.3: 2.24 B active / 15.29 B total without the embedding and output layers, 3 B / 16 B with them
+            published_params_b=(16.0, 3.0),
+            source="Muon is Scalable for LLM Training (arXiv 2502.16982, sec. 3.3 and appendix C)",
+            # Stages 1-2 of the paper's 5.7 T tokens (sec. 3.3): warm-up, then the cosine to 4.2e-5 ends at 5.2 T.
+            # Stage 3 (5.2-5.7 T) re-warms to 1e-4 and decays linearly to 0: a second schedule that one
+            # Megatron scheduler cannot follow after the cosine (docs/recipes.md, the Moonlight note).
+            pretrain_tokens=5.2e12,
+            provider={"moe_router_bias_update_rate": 1e-3},
+            provider_source=("aux-free bias update rate 1e-3 in stages 1-2 (arXiv 2502.16982, sec. 3.3); the paper's "
+                             "mean-centred sign update (appendix C) is not megatron-core's and is not reproduced"),
+        ),
         _qwen3("qwen3_0p6b", "Qwen3-0.6B", 0.6),
         _qwen3("qwen3_1p7b", "Qwen3-1.7B", 1.7),
         _qwen3("qwen3_4b", "Qwen3-4B", 4.0),
@@ -103,12 +119,15 @@ MODELS: dict[str, ModelSpec] = {
         _qwen3("qwen3_30b_a3b", "Qwen3-30B-A3B", 30.5, 3.3),
         _qwen3("qwen3_235b_a22b", "Qwen3-235B-A22B", 235.0, 22.0),
         *(  # proxies keep their config's initializer_range and the template length (their recipes set 50 its)
-            ModelSpec(name=f"{full}_proxy", display=display, family=family, hf_id="-", published_params_b=None,
+            ModelSpec(name=name, display=display, family=family, hf_id="-", published_params_b=None,
                       source=f"tiny model with {full}'s config keys and architecture", proxy_of=full)
-            for full, display, family in (
-                ("kimi_k2", "Kimi-K2 proxy", "kimi_k2"),  # MLA, sigmoid router + expert bias, shared expert
-                ("qwen3", "Qwen3 proxy", "qwen3"),  # dense GQA with QK-norm
-                ("qwen3_moe", "Qwen3-MoE proxy", "qwen3_moe"),
+            for name, full, display, family in (
+                # MLA, sigmoid router + expert bias, shared expert
+                ("kimi_k2_proxy", "kimi_k2", "Kimi-K2 proxy", "kimi_k2"),
+                # MLA without a query low-rank, sigmoid router + expert bias, 2 shared experts, first layer dense
+                ("moonlight_proxy", "moonlight_16b_a3b", "Moonlight proxy", "deepseek_v3"),
+                ("qwen3_proxy", "qwen3", "Qwen3 proxy", "qwen3"),  # dense GQA with QK-norm
+                ("qwen3_moe_proxy", "qwen3_moe", "Qwen3-MoE proxy", "qwen3_moe"),
             )
         ),
     )

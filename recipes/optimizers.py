@@ -223,6 +223,27 @@ KIMI_K2 = replace(
 )
 
 
+# Moonlight-16B-A3B's own pre-training run (arXiv 2502.16982, sec. 3.3 "Pretraining"): the moonlight update
+# above with the run's schedule. Stage 1 (0-33 B tokens): lr rises linearly to 4.2e-4 in 2k steps; stage 2 (to
+# 5.2 T tokens): cosine from 4.2e-4 to 4.2e-5; weight decay 0.1 in every stage. Stage 3 (5.2-5.7 T, the
+# cooldown) rises again to 1e-4 in 100 steps and decays linearly to 0 over 500 B tokens: a second schedule after
+# the cosine, which one Megatron scheduler cannot follow, so a recipe with this preset runs stages 1-2
+# (recipes.models: 5.2 T tokens). Not stated by the paper, kept from `moonlight`: Nesterov momentum (eq. 1 is
+# plain momentum; Moonlight's released Muon, examples/toy_train.py, uses Nesterov), the Newton-Schulz
+# coefficients (toy_train.py: Keller Jordan's), AdamW's betas and eps (toy_train.py: 0.9 / 0.95, 1e-8), gradient
+# clipping (1.0, Megatron Bridge's) and the warm-up's start (0).
+MOONLIGHT_16B = derive(
+    MOONLIGHT,
+    name="moonlight_16b",
+    summary=("moonlight with Moonlight-16B-A3B's stages 1-2: 2k warm-up steps to 4.2e-4, cosine to 4.2e-5 at 5.2 T "
+             "of its 5.7 T tokens, wd 0.1"),
+    source=("Moonlight, arXiv 2502.16982 (update: sec. 2.2 eq. 4; schedule and weight decay: sec. 3.3 "
+            "\"Pretraining\", stages 1-2); MoonshotAI/Moonlight examples/toy_train.py for what the paper leaves out"),
+    optimizer={"lr": 4.2e-4, "min_lr": 4.2e-5},
+    scheduler={"lr_decay_style": "cosine", "lr_warmup_iters": 2000, "lr_warmup_init": 0.0, "lr_decay_iters": None},
+)
+__all__ += ["MOONLIGHT_16B"]
+
 
 def adamw_twin(muon: OptimizerPreset) -> OptimizerPreset:
     """AdamW with ``muon``'s learning rate, schedule and weight decay: the other half of an A/B pair.
@@ -260,6 +281,6 @@ def fused_mlp(base: OptimizerPreset) -> OptimizerPreset:
                    source=f"{base.source}; megatron-core 0.16's fused linear_fc1")
 
 
-PRESETS.update({preset.name: preset for preset in (MOONLIGHT, KIMI_K2)})
-PRESETS.update({twin.name: twin for twin in map(adamw_twin, (MOONLIGHT, KIMI_K2))})
+PRESETS.update({preset.name: preset for preset in (MOONLIGHT, KIMI_K2, MOONLIGHT_16B)})
+PRESETS.update({twin.name: twin for twin in map(adamw_twin, (MOONLIGHT, KIMI_K2, MOONLIGHT_16B))})
 PRESETS.update({preset.name: preset for preset in map(fused_mlp, (MOONLIGHT, KIMI_K2))})
