@@ -1,21 +1,28 @@
-"""Conversion throughput and memory on a medium synthetic model, against plain safetensors I/O.
+"""Conversion throughput and memory on medium synthetic models, against plain safetensors I/O.
 
-    .venv/bin/python bench/convert.py [--layers 6] [--hidden 2048] [--dtype bfloat16] [--workdir /tmp]
-                                      [--nproc 2 --tp 2 | --pp 2]
+    .venv/bin/python bench/convert.py [--sizes 1gb,8gb | --layers 6 --hidden 2048] [--dtype bfloat16]
+                                      [--phases baseline,import,export,import-stream,export-stream]
+                                      [--threads 2] [--workdir /tmp] [--nproc 2 --tp 2 | --pp 2]
 
-Builds a random Qwen3 with a few wide layers (default ~1.0 GB of bf16 weights) as an HF directory, then
-runs, each in a fresh process so that peak RSS is its own:
+Builds a random Qwen3 with a few wide layers per size (``1gb``: 6 layers of hidden 2048, 1.02 GB of bf16
+weights; ``8gb``: 15 layers of hidden 4096, 8.08 GB) as an HF directory, then runs, each in a fresh process
+so that peak RSS is its own:
 
-* baseline: read every shard with ``safetensors.torch.load_file`` and write it back with ``save_file``;
-* import:   ``bridge_ext.convert.import_hf`` (HF -> Megatron torch_dist), no --verify;
-* export:   ``bridge_ext.convert.export_hf`` (Megatron -> HF);
+* baseline:      read every shard with ``safetensors.torch.load_file`` and write it back with ``save_file``;
+* import:        ``bridge_ext.convert.import_hf(stream=False)``: the model-building path (AutoBridge), no --verify;
+* export:        ``bridge_ext.convert.export_hf(stream=False)`` of that checkpoint;
+* import-stream: ``import_hf`` streaming (the default; :mod:`bridge_ext.convert.stream`, ``--threads``);
+* export-stream: ``export_hf`` streaming, of the streamed checkpoint;
 * with ``--nproc N`` and a layout (``--tp``/``--pp``): import and export again under
   ``torchrun --standalone --nproc-per-node N`` (gloo on CPU), each rank's peak RSS reported on its own line
   (the model is a dense Qwen3, so ``--ep`` does not apply).
 
-Prints throughput (checkpoint bytes / wall time) as a ratio to the baseline's, and peak RSS as a ratio to
-the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
-cost of torch + Megatron, which does not grow with the model). Files are in the page cache for all three.
+Prints throughput (checkpoint bytes / conversion time) as a ratio to the baseline's, and peak RSS as a ratio
+to the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
+cost of torch + Megatron, which does not grow with the model). With two sizes or more it also prints the
+marginal rate of each phase (the slope between the smallest and the largest size: fixed costs cancel) and
+its ratio to the baseline's marginal rate. Outputs are deleted as soon as the next phase no longer needs
+them (the 8 GB case needs ~26 GB of disk at a time).
 """
 
 from __future__ import annotations
@@ -97,7 +104,7 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
     return total
 
 
-def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1) -> dict:
+def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1, threads: int = 2) -> dict:
     """Run in a child process (one per torchrun rank with a layout): one phase, its wall time and peak RSS."""
     if name == "baseline":
         from safetensors.torch import load_file, save_file
@@ -125,21 +132,62 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1) -> dict:
 
     base = _rss_now_mb()
     suffix = "" if tp * pp == 1 else f"-tp{tp}-pp{pp}"
-    if name == "import":
-        summary = convert.import_hf(hf, work / f"mg{suffix}", tp=tp, pp=pp, progress=False, console=None)
+    stream = name.endswith("-stream")
+    if stream:
+        suffix += "-stream"
+    quiet = dict(progress=False, console=None, stream=stream)
+    if stream:
+        quiet["threads"] = threads
+    if name.startswith("import"):
+        summary = convert.import_hf(hf, work / f"mg{suffix}", tp=tp, pp=pp, **quiet)
     else:
-        summary = convert.export_hf(work / f"mg{suffix}", work / f"out{suffix}", tp=tp, pp=pp, progress=False,
-                                    console=None)  # fmt: skip
+        summary = convert.export_hf(work / f"mg{suffix}", work / f"out{suffix}", tp=tp, pp=pp, **quiet)
     return {"seconds": summary.seconds, "bytes": summary.bytes, "peak_mb": _peak_mb(), "base_mb": base,
             "rank": int(os.environ.get("RANK", "0"))}  # fmt: skip
 
 
+SIZES = {"1gb": (6, 2048), "2.5gb": (4, 4096), "8gb": (15, 4096)}  # name -> (layers, hidden)
+PHASES = ("baseline", "import", "export", "import-stream", "export-stream")
+# After a phase, the outputs no later phase reads (disk: the 8 GB case).
+_DONE_WITH = {"baseline": ["baseline"], "export": ["mg", "out"], "export-stream": ["mg-stream", "out-stream"]}
+
+
+def _run_phase(name: str, nproc: int, hf: Path, work: Path, args: argparse.Namespace) -> list[dict]:
+    launch = [sys.executable] if nproc == 1 else [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+                                                  f"--nproc-per-node={nproc}"]  # fmt: skip
+    proc = subprocess.run(
+        [*launch, __file__, "--phase", name, "--hf", str(hf), "--work", str(work), "--threads", str(args.threads)]
+        + (["--tp", str(args.tp), "--pp", str(args.pp)] if nproc > 1 else []),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(lines) != nproc:
+        sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line[len("RESULT "):]) for line in lines]
+
+
+def _table(results: dict, total: int) -> None:
+    base_tp = results["baseline"]["bytes"] / results["baseline"]["seconds"] if "baseline" in results else None
+    print(f"{'phase':<22} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
+          f"{'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
+    for name, r in results.items():
+        tp = r["bytes"] / r["seconds"]
+        above = (r["peak_mb"] - r["base_mb"]) * 2**20
+        peak = r["peak_mb"] * 2**20
+        ratio = f"{tp / base_tp:10.3f}" if base_tp else f"{'':>10}"
+        print(f"{name:<22} {r['seconds']:8.2f} {tp / 1e9:7.3f} {ratio} {peak / 1e9:12.2f} "
+              f"{peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=None, help=f"comma-separated sizes among {', '.join(SIZES)}")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--shard-mb", type=int, default=500)
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases among " + ", ".join(PHASES))
+    parser.add_argument("--threads", type=int, default=2, help="threads of the streaming phases")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--nproc", type=int, default=1, help="also convert with this many torchrun processes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the torchrun conversion")
@@ -150,45 +198,45 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.phase:  # child
-        print("RESULT " + json.dumps(phase(args.phase, args.hf, args.work, tp=args.tp, pp=args.pp)), flush=True)
+        result = phase(args.phase, args.hf, args.work, tp=args.tp, pp=args.pp, threads=args.threads)
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
-    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
-    try:
-        hf = work / "hf"
-        total = build(hf, layers=args.layers, hidden=args.hidden, dtype=args.dtype, shard_bytes=args.shard_mb * 10**6)
-        print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, {args.dtype}: {total / 1e9:.3f} GB "
-              f"in {len(list(hf.glob('*.safetensors')))} shards")  # fmt: skip
-        results = {}
-        phases = [(name, 1) for name in ("baseline", "import", "export")]
-        if args.nproc > 1:
-            phases += [(name, args.nproc) for name in ("import", "export")]
-        for name, nproc in phases:
-            launch = [sys.executable] if nproc == 1 else [str(Path(sys.executable).with_name("torchrun")),
-                                                          "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
-            proc = subprocess.run(
-                [*launch, __file__, "--phase", name, "--hf", str(hf), "--work", str(work)]
-                + (["--tp", str(args.tp), "--pp", str(args.pp)] if nproc > 1 else []),
-                capture_output=True, text=True,
-            )  # fmt: skip
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or len(lines) != nproc:
-                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
-            for line in lines:
-                r = json.loads(line[len("RESULT "):])
-                label = name if nproc == 1 else f"{name} tp{args.tp}pp{args.pp} rank {r['rank']}"
-                results[label] = r
-        base_tp = results["baseline"]["bytes"] / results["baseline"]["seconds"]
-        print(f"{'phase':<22} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
-              f"{'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
-        for name, r in results.items():
-            tp = r["bytes"] / r["seconds"]
-            above = (r["peak_mb"] - r["base_mb"]) * 2**20
-            peak = r["peak_mb"] * 2**20
-            print(f"{name:<22} {r['seconds']:8.2f} {tp / 1e9:7.3f} {tp / base_tp:10.3f} {peak / 1e9:12.2f} "
-                  f"{peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    sizes = ([(name, *SIZES[name]) for name in args.sizes.split(",")] if args.sizes
+             else [(f"{args.layers}x{args.hidden}", args.layers, args.hidden)])  # fmt: skip
+    phases = [p for p in args.phases.split(",") if p]
+    measured: dict[str, tuple[int, dict]] = {}
+    for size, layers, hidden in sizes:
+        work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
+        try:
+            hf = work / "hf"
+            total = build(hf, layers=layers, hidden=hidden, dtype=args.dtype, shard_bytes=args.shard_mb * 10**6)
+            print(f"\nmodel {size}: Qwen3, {layers} layers, hidden {hidden}, {args.dtype}: {total / 1e9:.3f} GB "
+                  f"in {len(list(hf.glob('*.safetensors')))} shards", flush=True)  # fmt: skip
+            results = {}
+            runs = [(name, 1) for name in phases]
+            if args.nproc > 1:
+                runs += [(name, args.nproc) for name in phases if name in ("import", "export")]
+            for name, nproc in runs:
+                for r in _run_phase(name, nproc, hf, work, args):
+                    label = name if nproc == 1 else f"{name} tp{args.tp}pp{args.pp} rank {r['rank']}"
+                    results[label] = r
+                if nproc == 1:
+                    for leftover in _DONE_WITH.get(name, []):
+                        shutil.rmtree(work / leftover, ignore_errors=True)
+            _table(results, total)
+            measured[size] = (total, results)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if len(measured) > 1:
+        (small, (b0, r0)), (large, (b1, r1)) = list(measured.items())[0], list(measured.items())[-1]
+        print(f"\nmarginal rate between {small} and {large} (extra bytes / extra seconds):")
+        marginal = {n: (r1[n]["bytes"] - r0[n]["bytes"]) / max(r1[n]["seconds"] - r0[n]["seconds"], 1e-9)
+                    for n in r1 if n in r0}  # fmt: skip
+        base = marginal.get("baseline")
+        for name, rate in marginal.items():
+            ratio = f"{rate / base:.3f}x baseline" if base else ""
+            print(f"{name:<22} {rate / 1e9:7.3f} GB/s  {ratio}")
 
 
 if __name__ == "__main__":

@@ -39,4 +39,4 @@ def run(args: argparse.Namespace) -> int:
 
     return run_export(ckpt=args.ckpt, out=args.out, iteration=args.iteration, hf_config=args.hf_config,
                       shard_bytes=args.shard_size, overwrite=args.overwrite, tp=args.tp, pp=args.pp, ep=args.ep,
-                      verbose=args.verbose)
+                      verbose=args.verbose, stream=not args.no_stream)

@@ -34,6 +34,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (default 1)")
     group.add_argument("--pp", type=positive, default=1, help="pipeline-parallel size (default 1)")
     group.add_argument("--ep", type=positive, default=1, help="expert-parallel size (default 1)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="convert through the built Megatron model (AutoBridge) instead of tensor by tensor; "
+                        "a --tp/--pp/--ep layout converts that way too")
 
 
 def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
@@ -58,4 +61,4 @@ def run(args: argparse.Namespace) -> int:
     from bridge_ext.convert import run_import
 
     return run_import(hf=args.hf, out=args.out, verify=args.verify, overwrite=args.overwrite, tolerance=args.tolerance,
-                      tp=args.tp, pp=args.pp, ep=args.ep, verbose=args.verbose)
+                      tp=args.tp, pp=args.pp, ep=args.ep, verbose=args.verbose, stream=not args.no_stream)

@@ -26,6 +26,7 @@ from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, mode
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group, union_over_ranks
 from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, say_on_rank0
 from bridge_ext.convert.staging import check_target, staged_output
+from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, import_streaming
 from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
 from bridge_ext.errors import UserError
 
@@ -100,11 +101,16 @@ def import_hf(
     ep: int = 1,
     progress: bool = True,
     console: Callable[[str], None] | None = print,
+    stream: bool = True,
+    threads: int = DEFAULT_THREADS,
 ) -> ConversionSummary:
     """Convert the HF checkpoint ``hf`` into a Megatron (torch_dist) checkpoint at ``out``.
 
     ``out`` receives ``iter_0000000/`` + ``latest_checkpointed_iteration.txt`` (what recipes load with
     ``checkpoint.pretrained_checkpoint=out``) and ``hf_source/`` (config.json bytes, tokenizer files).
+    ``stream`` (default): tensor by tensor without building the model (:mod:`bridge_ext.convert.stream`, the
+    same checkpoint; under torchrun the processes share the parameters); with ``stream=False``, a ``tp/pp/ep``
+    layout, or where a parameter needs the model (``NeedsModel``), through the built model.
     """
     start = time.perf_counter()
     hf, target = Path(hf), Path(out)
@@ -118,6 +124,14 @@ def import_hf(
                           f"({len(source.tensors)} tensors, {human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
 
     cpu = prepare_runtime()
+    if stream and tp == pp == ep == 1:  # a layout asks for the model-building (distributed) conversion
+        try:
+            import_streaming(source, target, summary=summary, cpu=cpu, verify=verify, tolerance=tolerance,
+                             threads=threads, progress=progress, console=console)  # fmt: skip
+            summary.seconds = time.perf_counter() - start
+            return summary
+        except NeedsModel as exc:
+            summary.notes.append(f"converted through the built model: {exc}")
     import torch
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
     from megatron.bridge.training.model_load_save import save_megatron_model

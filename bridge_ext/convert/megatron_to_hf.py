@@ -36,6 +36,7 @@ from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, prep
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group
 from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_rank0
 from bridge_ext.convert.staging import check_target, staged_output
+from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, export_streaming_into
 from bridge_ext.errors import UserError
 
 __all__ = ['DEFAULT_SHARD_BYTES', 'export_hf']
@@ -171,6 +172,27 @@ def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> d
     return plan
 
 
+def _export_through_model(write: Callable[[str, Any], int], *, iter_dir: Path, hf_source: Path, config: Any,
+                          raw: dict[str, Any], plan: dict[str, Any], cpu: bool, dtype: Any, tp: int, pp: int,
+                          ep: int) -> None:
+    """The model-building export: the checkpoint loaded into the Megatron model (``--tp/--pp/--ep``), then Megatron
+    Bridge's ``stream_weights_megatron_to_hf``; each HF tensor goes to ``write``."""
+    bridge = bridge_for(config, model_type=raw.get("model_type"))
+    model = build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
+    try:
+        load_model_weights(iter_dir, model)
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch DCP's CheckpointException is a BaseException with a multi-line report
+        raise UserError(
+            f"{iter_dir} does not match the model in {hf_source}/config.json ({cause_line(exc)})"
+        ) from None
+    shim = ConfigSource(config, plan.keys(), str(hf_source))
+    for name, tensor in bridge._model_bridge.stream_weights_megatron_to_hf(model, shim, cpu=True, show_progress=False):
+        write(name, tensor)
+    del model
+
+
 def export_hf(
     ckpt: str | Path,
     out: str | Path,
@@ -184,8 +206,15 @@ def export_hf(
     ep: int = 1,
     progress: bool = True,
     console: Callable[[str], None] | None = print,
+    stream: bool = True,
+    threads: int = DEFAULT_THREADS,
 ) -> ConversionSummary:
-    """Convert a Megatron checkpoint (``import`` output or a training run) into an HF directory at ``out``."""
+    """Convert a Megatron checkpoint (``import`` output or a training run) into an HF directory at ``out``.
+
+    ``stream`` (default): tensor by tensor from the torch_dist files without building the model
+    (:mod:`bridge_ext.convert.stream`; under torchrun rank 0 converts); with ``stream=False``, a ``tp/pp/ep``
+    layout, or where a parameter needs the model (``NeedsModel``), the checkpoint is loaded into the built model.
+    """
     start = time.perf_counter()
     ckpt, target = Path(ckpt), Path(out)
     check_target(target, overwrite=overwrite, inputs=[ckpt] if ckpt.exists() else [])
@@ -212,35 +241,37 @@ def export_hf(
     stored = checkpoint_param_dtype(iter_dir)
     plan = _export_plan(config, dtype=declared, source_dtypes=record.get("tensors", {}))
     with process_group(cpu), staged_output(target) as staging:
-        bridge = bridge_for(config, model_type=raw.get("model_type"))
-        model = build_model(bridge, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)
-        try:
-            load_model_weights(iter_dir, model)
-        except (UserError, KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException with a multi-line report
-            raise UserError(
-                f"{iter_dir} does not match the model in {hf_source}/config.json ({cause_line(exc)})"
-            ) from None
-        shim = ConfigSource(config, plan.keys(), str(hf_source))
         writer = _ShardWriter(staging, plan, shard_bytes=shard_bytes) if is_rank0() else None
         try:
             with TensorProgress("export", total=len(plan), enabled=progress and is_rank0()) as bar:
-                for name, tensor in bridge._model_bridge.stream_weights_megatron_to_hf(
-                    model, shim, cpu=True, show_progress=False
-                ):
-                    if writer is not None:
-                        nbytes = writer.write(name, tensor)
-                        summary.tensors += 1
-                        summary.bytes += nbytes
-                        bar.advance(nbytes)
+
+                def write(name: str, tensor: Any) -> int:
+                    if writer is None:
+                        return 0
+                    nbytes = writer.write(name, tensor)
+                    summary.tensors += 1
+                    summary.bytes += nbytes
+                    bar.advance(nbytes)
+                    return nbytes
+
+                streamed = False
+                if stream and tp == pp == ep == 1:  # a layout asks for the model-building (distributed) path
+                    try:
+                        export_streaming_into(write, iter_dir=iter_dir, hf_source=hf_source, config=config,
+                                              model_type=raw.get("model_type"), dtype=stored, hf_names=list(plan),
+                                              threads=threads)  # fmt: skip
+                        streamed = True
+                    except NeedsModel as exc:  # raised before any tensor is written
+                        summary.notes.append(f"converted through the built model: {exc}")
+                if not streamed:
+                    _export_through_model(write, iter_dir=iter_dir, hf_source=hf_source, config=config, raw=raw,
+                                          plan=plan, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)  # fmt: skip
             if writer is not None:
                 writer.close()
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
-        del model
         if is_rank0():
             summary.notes += _export_config_json(hf_source, staging, dtype=declared)
             copied = copy_side_files(hf_source, staging)

@@ -10,7 +10,8 @@ torch_dist) and :mod:`~bridge_ext.convert.stream.exporter` (torch_dist -> HF).
 
 from __future__ import annotations
 
+from bridge_ext.convert.stream.exporter import export_streaming_into
 from bridge_ext.convert.stream.importer import DEFAULT_THREADS, import_streaming
 from bridge_ext.convert.stream.skeleton import NeedsModel
 
-__all__ = ["DEFAULT_THREADS", "NeedsModel", "import_streaming"]
+__all__ = ["DEFAULT_THREADS", "NeedsModel", "export_streaming_into", "import_streaming"]

@@ -90,8 +90,10 @@ def export_streaming_into(
     """Convert the torch_dist checkpoint ``iter_dir`` to HF tensors, each passed to ``write(name, tensor)`` (which
     returns the bytes written). ``hf_names``: the architecture's tensors (what the export plans). ``dtype``: the
     checkpoint's parameter dtype. Returns (tensors, bytes). Raises :class:`NeedsModel` before writing anything
-    when a parameter needs the model-building path."""
+    when a parameter needs the model-building path. Under torchrun rank 0 converts and writes (the others return
+    (0, 0) once the checkpoint is checked)."""
     from bridge_ext.convert.model import ConfigSource
+    from bridge_ext.convert.parallel import is_rank0
 
     shim = ConfigSource(config, hf_names, str(hf_source))
     skeleton = build_skeleton(config, model_type=model_type, dtype=dtype, hf=shim)
@@ -99,6 +101,8 @@ def export_streaming_into(
     chunks = TorchDistChunks(iter_dir)
     try:
         _check_stored(chunks, groups, iter_dir=iter_dir, hf_source=hf_source)
+        if not is_rank0():  # under torchrun every process builds the skeleton (process groups), rank 0 writes
+            return 0, 0
         order = list(skeleton.tasks)
         tensors = nbytes = 0
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="torch-dist-reader") as pool:

@@ -16,9 +16,7 @@ model-building path (``save_megatron_model``, ``training/model_load_save.py``).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,46 +142,38 @@ def _write_hf_source(hf: Path, staging: Path, source: Any) -> None:
 
 
 def import_streaming(
-    hf: str | Path,
-    out: str | Path,
+    source: Any,
+    target: Path,
     *,
+    summary: Any,
+    cpu: bool,
     verify: bool = False,
-    overwrite: bool = False,
-    tolerance: float | None = None,
+    tolerance: float,
     threads: int = DEFAULT_THREADS,
     progress: bool = True,
     console: Callable[[str], None] | None = print,
 ) -> Any:
-    """HF directory ``hf`` -> torch_dist checkpoint at ``out`` without building the model; returns a
-    ``ConversionSummary``. Raises :class:`~bridge_ext.convert.stream.skeleton.NeedsModel` (nothing written)
-    when a parameter needs the model-building path. Under torchrun each process converts every world-th
-    parameter into its own files; the checkpoint is the same."""
-    from bridge_ext.convert.hf_dir import hf_tokenizer_loadable, inspect_hf_dir
-    from bridge_ext.convert.megatron_ckpt import find_iteration
-    from bridge_ext.convert.model import prepare_runtime
-    from bridge_ext.convert.parallel import is_rank0, process_group
-    from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, say_on_rank0
-    from bridge_ext.convert.staging import check_target, staged_output
-    from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
+    """The validated HF checkpoint ``source`` -> a torch_dist checkpoint at ``target`` (staged, renamed into place
+    when complete and verified) without building the model; fills and returns ``summary``
+    (``ConversionSummary``). ``cpu``: what ``prepare_runtime`` returned (for ``--verify``'s model).
 
-    start = time.perf_counter()
-    tolerance = VERIFY_TOLERANCE if tolerance is None else tolerance
-    hf, target = Path(hf), Path(out)
-    check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
-    if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
-    source = inspect_hf_dir(hf)
-    summary = ConversionSummary(direction="import", out=target)
-    say_on_rank0(console, f"importing {source.architecture} from {hf} ({len(source.tensors)} tensors, "
-                          f"{human_bytes(source.total_bytes)}, {source.dtype}), streaming")  # fmt: skip
-    cpu = prepare_runtime()
+    Raises :class:`~bridge_ext.convert.stream.skeleton.NeedsModel` (nothing written) when a parameter needs the
+    model-building path. Under torchrun each process converts every world-th parameter into its own files; the
+    checkpoint is the same.
+    """
     import torch
-
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
 
+    from bridge_ext.convert.hf_dir import hf_tokenizer_loadable
     from bridge_ext.convert.hf_read import per_expert_state
+    from bridge_ext.convert.megatron_ckpt import find_iteration
     from bridge_ext.convert.model import ConfigSource
+    from bridge_ext.convert.parallel import is_rank0, process_group, union_over_ranks
+    from bridge_ext.convert.report import TensorProgress, say_on_rank0
+    from bridge_ext.convert.staging import staged_output
+    from bridge_ext.convert.verify import verify_logits
 
+    hf = source.path
     dtype = getattr(torch, source.dtype)
     reader = HFByteReader(source)
     try:
@@ -200,8 +190,6 @@ def import_streaming(
                                          done=converter.done)  # fmt: skip
                 tokenizer = hf.absolute() if hf_tokenizer_loadable(hf) else None
                 save_skeleton_checkpoint(skeleton.model, staging, strategy, tokenizer=tokenizer)
-            from bridge_ext.convert.parallel import union_over_ranks
-
             used = union_over_ranks(converter.used)
             summary.tensors, summary.bytes = len(used), sum(source.tensors[n].nbytes for n in used)
             unused = sorted(set(source.tensors) - used)
@@ -220,5 +208,4 @@ def import_streaming(
                     )
     finally:
         reader.close()
-    summary.seconds = time.perf_counter() - start
     return summary
