@@ -72,8 +72,10 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target"},
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes
     # (the DDP stream in megatron/training/models/dist_utils.py, per-rank all-gather buffers, fp32 layer-wise
-    # members), but still matches param groups by four keys; MB 0.5's KimiK2Bridge lacks the expert mappings
+    # members), but still matches param groups by four keys; MB 0.5's KimiK2Bridge lacks the expert mappings;
+    # MB 0.5's train.py passes the max attention logit where 0.5's training_log takes pg_collection
     ("0.5.1", "0.2.0"): {"prebuilt-dataset-helpers", "kimi-k2-bridge-mappings", "layer-wise-fp32-members",
+                         "training-log-attention-logit",
                          *{f"{name} (emerging_optimizers)" for name in MUON_IN_OPTIMIZER_MUON_PY},
                          "cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
                          "layer-wise-all-gather-v (per-rank buffers)",

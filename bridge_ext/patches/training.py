@@ -15,6 +15,13 @@
   ``_target_: signal.Signals`` by its own YAML representers, so its own ``ConfigContainer.from_yaml`` and a
   ``--yaml`` that changes it could not read it back. ``signal.Signals`` is registered through upstream's
   ``register_allowed_target_prefix``, where the installed allow-list refuses it (0.3 has none).
+* ``training-log-attention-logit`` (``stack``): megatron-bridge 0.5 ``training/train.py`` ``train()`` calls
+  ``training_log(..., model, log_max_attention_logit, ...)`` positionally, but 0.5's ``utils/train_utils.py``
+  ``training_log`` takes ``pg_collection`` after ``model``: a measured max logit (MuonClip, QK-clip logging)
+  becomes the process-group collection (``'float' object has no attribute 'mp'``). 0.6 passes both by keyword;
+  the ``training_log`` that ``train.py`` calls takes that argument as ``log_max_attention_logit``, as upstream's
+  fix does. Applies where a ``training_log`` call in ``train.py`` passes ``log_max_attention_logit`` in another
+  parameter's position.
 """
 
 from __future__ import annotations
@@ -116,6 +123,43 @@ def _allow_signals() -> None:
     _registered.add(_SIGNALS)
 
 
+# --- megatron-bridge 0.5 training/train.py train() -> utils/train_utils.py training_log ------------------------
+_TRAIN = "megatron.bridge.training.train"
+_LOGIT = "log_max_attention_logit"
+
+
+def _logit_slot() -> int | None:
+    """The position at which ``train.py`` passes ``log_max_attention_logit`` to ``training_log`` where that
+    position is another parameter's (None where every call passes it in its own place or by keyword)."""
+    from megatron.bridge.training import train
+
+    names = list(inspect.signature(train.training_log).parameters)
+    slots = {index for node in ast.walk(ast.parse(module_source(_TRAIN))) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "training_log"
+             for index, arg in enumerate(node.args) if isinstance(arg, ast.Name) and arg.id == _LOGIT}
+    wrong = {index for index in slots if index >= len(names) or names[index] != _LOGIT}
+    if len(wrong) > 1 or (wrong and _LOGIT not in names):
+        raise UpstreamDrift(f"{package_of(_TRAIN)}: train.py passes {_LOGIT} to training_log at positions "
+                            f"{sorted(wrong)}; bridge_ext.patches' training-log-attention-logit needs updating")
+    return next(iter(wrong), None)
+
+
+def _logit_misplaced() -> bool:
+    return _logit_slot() is not None
+
+
+def _logit_by_name(original: Callable) -> Callable:
+    slot = _logit_slot()
+
+    def training_log(*args, **kwargs):
+        if len(args) == slot + 1 and _LOGIT not in kwargs:  # train.py's call: the last positional is the logit
+            *args, kwargs[_LOGIT] = args
+        return original(*args, **kwargs)
+
+    training_log.__wrapped__ = original
+    return training_log
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers", area="training", scope="stack",
@@ -160,5 +204,19 @@ PATCHES: tuple[Patch, ...] = (
         needed=_signals_refused,
         snippets=("_ALLOWED_TARGET_PREFIXES.add(prefix)", "_validate_target_prefix(target=target, full_key=full_key)"),
         install=_allow_signals,
+    ),
+    Patch(
+        name="training-log-attention-logit", area="training", scope="stack",
+        module=_TRAIN, attr="training_log",
+        upstream="megatron/bridge/training/train.py train() -> utils/train_utils.py training_log(..., model, "
+                 "log_max_attention_logit) positionally",
+        why="the max attention logit lands in training_log's pg_collection ('float' object has no attribute "
+            "'mp' once QK-clip measures logits); taken as log_max_attention_logit, as megatron-bridge 0.6's "
+            "keyword call does",
+        when="a training_log call in train.py passes log_max_attention_logit in another parameter's position",
+        needed=_logit_misplaced,
+        elsewhere=(("megatron.bridge.training.utils.train_utils",
+                    ("pg_collection = pg_collection or get_pg_collection(model)",)),),
+        make=_logit_by_name,
     ),
 )
