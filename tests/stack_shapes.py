@@ -36,11 +36,14 @@ _REMOVED = {
     "model.moe_use_legacy_grouped_gemm": False,  # 0.17 dropped the legacy GroupedMLP: the non-legacy experts always
     "ddp.preserve_fp32_weights": True,  # Megatron-FSDP's buffer option (no recipe uses Megatron-FSDP); 0.17 dropped it
     "tokenizer.legacy_tokenizer": False,  # megatron-bridge 0.4 builds only the non-legacy tokenizers
+    "tokenizer.tiktoken_special_tokens": None,  # no recipe uses a tiktoken tokenizer; megatron-bridge 0.5 dropped it
 }
 # Fields only the built release has, not at their class default -> the value they must hold (derived upstream).
 _NEW = {
     # megatron-core 0.17 CheckpointConfig.__post_init__ sets "mcore" when async_save is off (off in every recipe)
     "checkpoint.async_strategy": "mcore",
+    # megatron-bridge 0.5 TokenizerConfig.__post_init__ sets False: Megatron Bridge pads the vocabulary itself
+    "tokenizer.pad_vocab_size": False,
 }
 _RENAMED = {"dist.lazy_init": "dist.lazy_mpu_init"}  # megatron-bridge 0.4: lazy_init is a property of the new name
 # Fields a later release moved -> their new home; the old field stays (deprecated) and wins when it is set
@@ -57,6 +60,9 @@ _SAME_MEANING = {  # different values, same run
     "dist.high_priority_stream_groups": {None, ()},  # no high-priority stream groups either way
     # written only when profiling.record_memory_history is on (compared as well: off in every recipe)
     "profiling.memory_snapshot_path": {"snapshot.pickle", "/nemo_run/snapshot.pickle"},
+    # read only with CUDA graphs (cuda_graph_impl 'none', compared as well: none in any recipe); megatron-core
+    # 0.18 changed their defaults
+    "model.cuda_graph_scope": {"full", None}, "model.cuda_graph_use_single_mempool": {False, True},
 }
 
 
