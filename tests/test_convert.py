@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,13 +128,15 @@ def test_import_and_export_commands_with_defaults():
         hf_export.run, Path("c"), 20, 500_000_000, None)  # fmt: skip
 
 
-def test_cli_bad_input_is_one_line_exit_2_and_fast(tmp_path):
-    import time
-
-    start = time.perf_counter()
-    result = nemo_process(["llm", "import", "--hf", tmp_path / "nope", "--out", tmp_path / "out"], timeout=60)
-    assert time.perf_counter() - start < 5  # validation comes before torch / Megatron are imported (~0.4 s idle)
-    assert result.code == 2
+def test_cli_bad_input_is_one_line_exit_2_before_torch_is_imported(tmp_path):
+    # fast because validation comes before torch / Megatron are imported: checked by what was imported, not by a
+    # wall-clock limit (timings belong in bench/, and CI machines are loaded)
+    code = ("import sys\nfrom bridge_ext.commands import main\ntry:\n    code = main(sys.argv[1:])\n"
+            "except SystemExit as stop:\n    code = stop.code\n"
+            "print(code, 'torch' in sys.modules, any(m.startswith('megatron') for m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, "llm", "import", "--hf", str(tmp_path / "nope"), "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["2", "False", "False"], result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "does not exist" in lines[0], result.stderr
     assert_nothing_written(tmp_path / "out")

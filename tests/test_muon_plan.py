@@ -18,11 +18,12 @@ from recipes.params import count_params
 PROXIES = ("kimi_k2_proxy_muon", "qwen3_proxy_muon", "qwen3_moe_proxy_muon")
 
 
-def test_cli_json_is_instant_and_needs_no_torch():
-    code = ("import sys, time; t = time.perf_counter(); from bridge_ext.muon import muon_plan; "
-            "p = muon_plan('kimi_k2_muon'); print(time.perf_counter() - t, 'torch' in sys.modules)")
+def test_cli_json_needs_no_torch():
+    # instant because it reads the shipped configs only: checked by what was imported (timings live in bench/)
+    code = ("import sys; from bridge_ext.muon import muon_plan; "
+            "p = muon_plan('kimi_k2_muon'); print(len(p.rows) > 0, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert float(out[0]) < 1.0 and out[1] == "False"
+    assert out == ["True", "False"]
 
 
 def test_cli_prints_table_and_json(capsys):
