@@ -91,10 +91,14 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
 # capability-decided patch (0.19.2's Muon passes emerging-optimizers 0.3.0's names itself)
 APPLIES_BY_STACK[("0.6.2", "0.3.0")] = APPLIES_BY_STACK[("0.6.0", "0.2.0")]
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
-APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu"}
+APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu",
+                           "local-l2-norm-fake"}  # clip_grads' local l2 norm: no TE, no apex
 # ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
 # tests/test_upstream_muon_bugs.py)
-APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa"}
+APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa",
+                                 # rehearsals (nemo llm rehearse): torch 2.10-2.14's Module._apply swaps fake
+                                 # parameters (probed); megatron-core 0.16-0.19's Float16 optimizer takes CUDA types only
+                                 "fake-parameter-conversion", "float16-optimizer-cpu-types"}
 
 
 def test_every_patch_fits_the_installed_code_or_does_not_apply(capsys):

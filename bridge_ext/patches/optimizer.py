@@ -39,7 +39,7 @@ from bridge_ext.patches.core import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, package_of, signature_params
 
 __all__ = ["GATE_UP_PATTERN", "GATE_UP_SPLIT", "MUON", "MUON_CLIP", "NS_COEFFICIENTS", "PATCHES", "MuonRunTime",
-           "clip_qk", "mark_gate_up_params", "renamed_kwarg"]
+           "clip_qk", "flag_main_params", "mark_gate_up_params", "renamed_kwarg"]
 
 _MUON = "megatron.core.optimizer.muon"
 
@@ -154,10 +154,33 @@ def mark_gate_up_params(model_chunks: Any) -> int:
     return count
 
 
+def flag_main_params(optimizer: Any) -> int:
+    """Copy ``is_gate_up`` from model parameters to the fp32 main parameters Muon steps; returns how many.
+
+    A mixed-precision optimizer (``Float16OptimizerWithFloat16Params``, also each member of the layer-wise
+    ``dist_muon``) steps fp32 copies, which carry only megatron-core's own attributes
+    (``tensor_parallel.copy_tensor_model_parallel_attributes``: ``is_qkv``, ``expert_tp``, the TP ones): without
+    this, a bf16 run would orthogonalize gate and up together despite the preset (measured by ``nemo llm
+    rehearse``: Newton-Schulz on the whole linear_fc1)."""
+    count, pending = 0, [optimizer]
+    while pending:
+        member = pending.pop()
+        pending.extend(getattr(member, "chained_optimizers", ()))
+        for model_group, main_group in zip(getattr(member, "float16_groups", ()),
+                                           getattr(member, "fp32_from_float16_groups", ())):
+            for model_param, main_param in zip(model_group, main_group):
+                if getattr(model_param, "is_gate_up", False) and main_param is not model_param:
+                    main_param.is_gate_up = True
+                    count += 1
+    return count
+
+
 def _marking_gate_up(build: Callable) -> Callable:
     def get_megatron_muon_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
         mark_gate_up_params(model_chunks)  # only the model knows which weights are gated: flagged by name
-        return build(config, model_chunks, *args, **kwargs)
+        optimizer = build(config, model_chunks, *args, **kwargs)
+        flag_main_params(optimizer)  # bf16: Muon steps fp32 copies, which megatron-core does not flag
+        return optimizer
 
     return get_megatron_muon_optimizer
 
@@ -278,7 +301,8 @@ PATCHES: tuple[Patch, ...] = (
         module=_OPTIM, attr="get_megatron_muon_optimizer",
         upstream="megatron/bridge/training/optim.py setup_optimizer -> get_megatron_muon_optimizer",
         why="flags the gated linear_fc1 weights (is_gate_up) by name, which only the model knows, for "
-            "muon-gate-up-split",
+            "muon-gate-up-split, and the fp32 main copies a bf16 optimizer steps (megatron-core copies only its own "
+            "attributes to them: without it bf16 runs orthogonalized gate and up together)",
         when="a Muon preset is installed",
         snippets=("get_megatron_muon_optimizer(",),
         make=_marking_gate_up,

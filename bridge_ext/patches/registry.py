@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from bridge_ext.patches import (checkpointing, conversion, cpu, import_time, muon_bugs, optimizer, optimizer_fields,
-                                 qk_clip, training)
+                                 qk_clip, rehearse, training)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -31,11 +31,13 @@ REGISTRY: tuple[Patch, ...] = (
     *muon_bugs.PATCHES,
     *conversion.PATCHES,
     *cpu.PATCHES,
+    *rehearse.PATCHES,
 )
 
 # What a refusal names: the scope's part of the package.
 _WHAT: dict[str, str] = {"cpu": "CPU mode", "stack": "the stack fixes", "muon": "the Muon patches",
-                         "checkpointing": "the checkpointing patches", "conversion": "the conversion patches"}
+                         "checkpointing": "the checkpointing patches", "conversion": "the conversion patches",
+                         "rehearse": "the rehearsal patches"}
 
 _applied: dict[str, Patch] = {}
 
@@ -132,7 +134,7 @@ def table() -> list[dict[str, str]]:
     return rows
 
 
-_AREAS = ("import", "optimizer", "training", "checkpointing", "conversion", "cpu")
+_AREAS = ("import", "optimizer", "training", "checkpointing", "conversion", "cpu", "rehearse")
 
 
 def markdown() -> str:

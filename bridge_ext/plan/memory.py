@@ -34,7 +34,8 @@ from bridge_ext.plan.ranks import RankParams, Tensor
 from recipes.architecture import Architecture
 from recipes.layouts import Layout
 
-__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "layer_wise_share", "model_state", "verdict"]
+__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "layer_wise_share", "model_state", "ns_flops_on_rank",
+           "verdict"]
 
 GB = 2**30  # GiB: nvidia-smi's unit; the datasheets' "80 GB" H100 has 81,559 MiB
 # Memory per GPU as NVIDIA's datasheets state it, taken as GiB.
@@ -84,12 +85,30 @@ def layer_wise_share(tensors: list[Tensor], size: int) -> list[list[Tensor]]:
     return out
 
 
-def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, muon: bool) -> dict[str, float]:
-    """Weights, gradients, main weights and optimizer state (bytes) on the most loaded DP rank of ``rank``."""
+def _group_sizes(layout: Layout) -> tuple[int, int]:
+    """(DP x CP, expert DP) group sizes: the groups the layer-wise and distributed optimizers shard over."""
+    return layout.gpus // (layout.tp * layout.pp), layout.gpus // (layout.ep * layout.etp * layout.pp)
+
+
+def _layer_wise_shares(rank: RankParams, layout: Layout, state: Any, dp_rank: int | None,
+                       expert_dp_rank: int | None) -> list[list[Tensor]]:
+    """``dist_muon``: the dense share (over DP x CP) and the expert share (over expert DP) one GPU updates; the
+    largest of each where its rank is not given (the worst case, exact when either group has one rank)."""
+    dp_cp, expert_dp = _group_sizes(layout)
+    shares = []
+    for expert, size, index in ((False, dp_cp, dp_rank), (True, expert_dp, expert_dp_rank)):
+        dealt = layer_wise_share([t for t in rank.tensors if t.expert == expert], size)
+        shares.append(max(dealt, key=state) if index is None else dealt[index])
+    return shares
+
+
+def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, muon: bool,
+                dp_rank: int | None = None, expert_dp_rank: int | None = None) -> dict[str, float]:
+    """Weights, gradients, main weights and optimizer state (bytes) on one DP rank of pipeline rank ``rank``:
+    ``dp_rank`` (in DP x CP) and ``expert_dp_rank`` (in expert DP) where given, else the most loaded one."""
     fp32 = layout.precision == "fp32"
     weight_b, grad_b, main_b = (4, 4, 0) if fp32 else (2, 4, 4)
-    dp_cp = layout.gpus // (layout.tp * layout.pp)
-    expert_dp = layout.gpus // (layout.ep * layout.etp * layout.pp)
+    dp_cp, expert_dp = _group_sizes(layout)
 
     def state(tensors: Any) -> float:
         return sum(t.numel * (main_b + (4 if muon and t.route == "muon" else 8)) for t in tensors)
@@ -100,15 +119,27 @@ def model_state(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, m
         main = (sum(t.numel for t in tensors if not t.expert) / dp_cp
                 + sum(t.numel for t in tensors if t.expert) / expert_dp) * main_b
     elif optimizer == "dist_muon" and max(dp_cp, expert_dp) > 1:
-        # dense tensors over the DP group, experts over the expert-DP group: a GPU has a share of each, and the
-        # largest of both on one GPU is the worst case (exact when either group has one rank)
-        worst = [max(layer_wise_share([t for t in tensors if t.expert == expert], size), key=state)
-                 for expert, size in ((False, dp_cp), (True, expert_dp))]
-        owned, main = sum(map(state, worst)), sum(t.numel for share in worst for t in share) * main_b
+        shares = _layer_wise_shares(rank, layout, state, dp_rank, expert_dp_rank)
+        owned, main = sum(map(state, shares)), sum(t.numel for share in shares for t in share) * main_b
     else:
         owned, main = state(tensors), rank.total * main_b
     return {"weights": rank.total * weight_b, "grads": rank.total * grad_b, "main_params": main,
             "optimizer_state": owned - main}
+
+
+def ns_flops_on_rank(rank: RankParams, layout: Layout, optimizer: OptimizerKind, *, dp_rank: int,
+                     expert_dp_rank: int) -> int:
+    """Newton-Schulz FLOPs one optimizer step runs on one GPU of pipeline rank ``rank``: the Muon matrices its
+    optimizer updates (``dist_muon``: its layer-wise shares; ``muon``: every one; AdamW: none), each on this
+    rank's TP shard (``Tensor.ns_flops``)."""
+    if optimizer not in ("dist_muon", "muon"):
+        return 0
+    if optimizer == "dist_muon" and max(_group_sizes(layout)) > 1:
+        tensors = [t for share in _layer_wise_shares(rank, layout, lambda ts: 0, dp_rank, expert_dp_rank)
+                   for t in share]
+    else:
+        tensors = list(rank.tensors)
+    return sum(t.ns_flops for t in tensors if t.route == "muon")
 
 
 # ---------------------------------------------------------------------------------------------- activations

@@ -45,6 +45,10 @@ class Tensor:
     numel: int  # on this rank
     route: Literal["muon", "adam"]  # where a Muon optimizer sends it (AdamW: every tensor to Adam)
     expert: bool  # a routed expert's weight: reduced and sharded over the expert-data-parallel group
+    # Newton-Schulz FLOPs of one Muon step on this rank's shard (the manifest's per copy over the TP split; 0 for
+    # Adam's). Blockwise TP: each rank orthogonalizes its own shard; a replicated matrix is orthogonalized whole
+    # on every TP rank.
+    ns_flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,15 @@ def _numel(name: str, shape: tuple[int, ...], *, tp: int, etp: int, spec: Spec, 
     return numel  # norms, router, linear_proj.bias: replicated
 
 
+def _ns_per_rank(row: Any, numel: int) -> int:
+    """One copy's Newton-Schulz FLOPs on a rank holding ``numel`` of it: the manifest's blocks are the TP shards
+    (blockwise mode), equal in size, so a rank runs 1/split of them."""
+    if not row.ns_flops:
+        return 0
+    split = math.prod(row.shape) // numel
+    return row.ns_flops // row.copies // split
+
+
 def rank_params(arch: Architecture, rows: Any, layout: Layout, *, spec: Spec = "te",
                 tied: bool | None = None) -> list[RankParams]:
     """Per pipeline rank, the tensors it holds (``rows``: ``MuonPlan.rows`` of the recipe's model)."""
@@ -122,17 +135,20 @@ def rank_params(arch: Architecture, rows: Any, layout: Layout, *, spec: Spec = "
         if row.layers is None:
             ranks = {"embedding.word_embeddings.weight": [first], "output_layer.weight": [last],
                      "decoder.final_layernorm.weight": [last]}[name]
+            numel = _numel(name, shape, tp=layout.tp, etp=layout.etp, spec=spec, expert=False)
             for rank in ranks:
-                per_rank[rank].append(Tensor(name, _numel(name, shape, tp=layout.tp, etp=layout.etp, spec=spec,
-                                                          expert=False), route, False))
+                per_rank[rank].append(Tensor(name, numel, route, False, _ns_per_rank(row, numel)))
             continue
+        numel = _numel(name, shape, tp=layout.tp, etp=layout.etp, spec=spec, expert=bool(row.experts))
+        ns = _ns_per_rank(row, numel)
         for layer in row.layers:
             rank = rank_of_layer[layer]
             copies = experts_per_rank if row.experts else 1
-            numel = _numel(name, shape, tp=layout.tp, etp=layout.etp, spec=spec, expert=bool(row.experts))
             for expert in range(copies):
-                per_rank[rank].append(Tensor(name.format(layer=layer, expert=expert), numel, route, bool(row.experts)))
+                per_rank[rank].append(Tensor(name.format(layer=layer, expert=expert), numel, route, bool(row.experts),
+                                             ns))
     if tied and pp > 1:  # the last stage's output layer is a copy of the word embedding
         embedding = next(t for t in per_rank[first] if t.name == "embedding.word_embeddings.weight")
-        per_rank[last].append(Tensor("output_layer.weight", embedding.numel, embedding.route, False))
+        per_rank[last].append(Tensor("output_layer.weight", embedding.numel, embedding.route, False,
+                                     embedding.ns_flops))
     return [RankParams(pp_rank=r, layers=tuple(layers_of[r]), tensors=tuple(per_rank[r])) for r in range(pp)]

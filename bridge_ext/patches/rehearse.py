@@ -1,0 +1,171 @@
+"""Rehearsal patches (scope ``rehearse``): one CPU process acts as rank R of a real layout on fake tensors.
+
+``nemo llm rehearse`` (``bridge_ext.rehearse``) builds a rank's model, DDP buffers and optimizer through Megatron
+Bridge with every tensor a ``FakeTensor`` (shapes and dtypes, no memory) and a fake process group of the
+layout's world size (``torch.distributed``'s ``fake`` backend: collectives return at once). Four upstream spots
+assume real tensors or a real world; each is changed only for the duration of a rehearsal
+(``patches.temporarily("rehearse")``):
+
+* ``fake-parameter-conversion``: torch ``Module._apply`` (``module.bfloat16()``, ``.cuda()``) swaps every
+  ``FakeTensor`` parameter with its converted copy through ``torch.utils.swap_tensors``; the swap refuses a
+  tensor that FakeTensorMode's converter memoized under a weak reference ("Couldn't swap"), and where it
+  succeeds it moves the parameter's ``__dict__`` (Megatron's ``allreduce``, ``tensor_model_parallel``, ...)
+  onto the discarded copy. Megatron's ``Float16Module`` calls ``module.bfloat16()`` on every model. Between two
+  fake tensors the swap becomes ``param.data = converted``, what ``Module._apply`` does for plain tensors.
+* ``fake-world-gather-object``: ``torch.distributed.all_gather_object`` unpickles what the other ranks sent;
+  a fake group sends nothing. megatron-core's ``_get_param_groups`` gathers every rank's param-group keys:
+  on a fake group every rank answers with this rank's object.
+* ``float16-optimizer-cpu-types``: ``Float16OptimizerWithFloat16Params.__init__`` accepts only
+  ``torch.cuda.*Tensor`` parameters; a rehearsal's bf16 parameters are CPU fake tensors (CPU mode runs fp32,
+  where megatron-core uses ``FP32Optimizer`` instead). Recompiled to accept the CPU type names too (and an explicit
+  ``super(...)``, which a recompiled method needs).
+* ``local-l2-norm-fake``: without Transformer Engine or apex, ``clip_grads.py`` computes the gradient norm with
+  ``utils.local_multi_tensor_l2_norm``, which builds ``torch.tensor(list of tensors)`` (reads their data) and
+  ``float()`` of the result; replaced by the same norm with ``torch.stack``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from bridge_ext.patches.core import Patch, rewrite
+
+__all__ = ["PATCHES"]
+
+_REHEARSE: dict[str, Any] = {"area": "rehearse", "scope": "rehearse"}
+
+
+# --- torch Module._apply -> torch.utils.swap_tensors ------------------------------------------------------------
+def _swap_refused_for_fake_parameters() -> bool:
+    """Probe: ``bfloat16()`` of a bf16 module whose parameter is a FakeTensor (what Float16Module does)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        layer = torch.nn.Linear(2, 2, dtype=torch.bfloat16)
+        layer.weight.rehearse_probe = True
+        try:
+            layer.bfloat16()
+        except RuntimeError:
+            return True
+        return not getattr(layer.weight, "rehearse_probe", False)  # swapped, and the attributes went with it
+
+
+def _set_data_for_fake(swap_tensors: Any) -> Any:
+    def swap_or_set_data(t1: Any, t2: Any) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor):
+            # what Module._apply does for plain tensors (param.data = converted): the parameter object, and the
+            # attributes Megatron set on it, stay
+            if t1 is not t2:
+                t1.data = t2
+            return None
+        return swap_tensors(t1, t2)
+
+    swap_or_set_data.__wrapped__ = swap_tensors
+    return swap_or_set_data
+
+
+# --- torch.distributed.all_gather_object on the fake backend ----------------------------------------------------
+def _gather_object_on_fake_groups(all_gather_object: Any) -> Any:
+    def all_gather_object_faked(object_list: list[Any], obj: Any, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if dist.get_backend(group) != "fake":
+            return all_gather_object(object_list, obj, group=group)
+        for i in range(len(object_list)):  # nothing travels in a fake world: every rank says what this one says
+            object_list[i] = obj
+        return None
+
+    all_gather_object_faked.__wrapped__ = all_gather_object
+    return all_gather_object_faked
+
+
+# --- megatron-core optimizer.py Float16OptimizerWithFloat16Params.__init__ --------------------------------------
+_FLOAT16_OPTIMIZER = "megatron.core.optimizer.optimizer"
+_FLOAT16_TYPES = (
+    ("if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:",
+     "if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', 'torch.HalfTensor', "
+     "'torch.BFloat16Tensor']:"),
+    ("elif param.type() == 'torch.cuda.FloatTensor':", "elif param.type() in ('torch.cuda.FloatTensor', "
+     "'torch.FloatTensor'):"),
+    ("super().__init__(optimizer, config, grad_scaler, init_state_fn)",
+     "super(Float16OptimizerWithFloat16Params, self).__init__(optimizer, config, grad_scaler, init_state_fn)"),
+)
+
+
+def _float16_accepts_only_cuda() -> bool:
+    import importlib
+
+    cls = importlib.import_module(_FLOAT16_OPTIMIZER).Float16OptimizerWithFloat16Params
+    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
+    return _FLOAT16_TYPES[0][0] in inspect.getsource(init)
+
+
+# --- megatron-core clip_grads.py l2_norm_impl (local fallback) --------------------------------------------------
+_CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+
+
+def _local_l2_norm_in_use() -> bool:
+    import importlib
+
+    clip_grads = importlib.import_module(_CLIP_GRADS)
+    utils = importlib.import_module("megatron.core.utils")
+    return getattr(clip_grads, "l2_norm_impl", None) is getattr(utils, "local_multi_tensor_l2_norm", object())
+
+
+def _l2_norm_without_data(chunk_size: int, noop_flag: Any, tensor_lists: Any, per_tensor: bool, *args: Any) -> Any:
+    """``local_multi_tensor_l2_norm``'s result (a 1-element fp32 norm, None) without reading tensor data."""
+    import torch
+
+    norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float32)
+    return total.reshape(1).float(), None
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="fake-parameter-conversion", module="torch.utils", attr="swap_tensors", **_REHEARSE,
+        upstream="torch/nn/modules/module.py Module._apply: torch.utils.swap_tensors for every FakeTensor parameter",
+        when="the installed Module._apply, on a bf16 FakeTensor parameter, refuses bfloat16() or drops its attributes",
+        why="Float16Module's module.bfloat16() of fake parameters fails (\"Couldn't swap\": the fake converter's "
+            "weak memo) or moves Megatron's parameter attributes onto a discarded copy; fake parameters take the "
+            "converted data instead (param.data = ..., as Module._apply does for plain tensors)",
+        needed=_swap_refused_for_fake_parameters,
+        elsewhere=(("torch.nn.modules.module", ("torch.utils.swap_tensors(param, param_applied)",
+                                                "isinstance(param, FakeTensor)")),),
+        make=_set_data_for_fake,
+    ),
+    Patch(
+        name="fake-world-gather-object", module="torch.distributed", attr="all_gather_object", **_REHEARSE,
+        upstream="megatron/core/optimizer/__init__.py _get_param_groups: torch.distributed.all_gather_object",
+        when="during a rehearsal, on groups of the fake backend only",
+        why="a fake process group carries no data: unpickling the other ranks' objects fails; every rank answers "
+            "with this rank's param-group keys",
+        elsewhere=(("megatron.core.optimizer", ("torch.distributed.all_gather_object(gathered_params_key, "
+                                                "params_key)",)),),
+        make=_gather_object_on_fake_groups,
+    ),
+    *rewrite(
+        "float16-optimizer-cpu-types", _FLOAT16_OPTIMIZER, "Float16OptimizerWithFloat16Params.__init__",
+        _FLOAT16_TYPES, **_REHEARSE,
+        upstream="megatron/core/optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__",
+        when="the installed __init__ accepts only 'torch.cuda.*Tensor' parameters",
+        why="a rehearsal's bf16 parameters are CPU fake tensors (TypeError 'Wrapped parameters must be one of "
+            "torch.cuda...'); recompiled to accept the CPU type names too",
+        needed=_float16_accepts_only_cuda,
+    ),
+    Patch(
+        name="local-l2-norm-fake", module=_CLIP_GRADS, attr="l2_norm_impl", **_REHEARSE,
+        upstream="megatron/core/optimizer/clip_grads.py l2_norm_impl = utils.local_multi_tensor_l2_norm "
+                 "(no Transformer Engine, no apex)",
+        when="clip_grads uses megatron-core's local l2 norm (no Transformer Engine, no apex)",
+        why="local_multi_tensor_l2_norm reads tensor data (torch.tensor of a list of norms, float()); fake tensors "
+            "have none: the same norm through torch.stack",
+        needed=_local_l2_norm_in_use,
+        snippets=("l2_norm_impl = local_multi_tensor_l2_norm",),
+        make=lambda old: _l2_norm_without_data,
+    ),
+)

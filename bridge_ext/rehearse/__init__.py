@@ -1,0 +1,256 @@
+"""Rehearse any rank of a recipe at its real layout without GPUs (``nemo llm rehearse``).
+
+One process acts as rank R of the layout's world (e.g. 256): a fake process group of that size
+(``bridge_ext.rehearse.fake``), megatron-core's parallel state with the layout's TP / PP / VP / CP / EP / ETP,
+then this rank's model chunks through the recipe's own provider, Megatron's DDP and the optimizer from Megatron
+Bridge's ``setup_optimizer`` (``dist_muon``: the layer-wise distributed Muon; AdamW: the distributed optimizer),
+all on fake tensors (shapes and dtypes, no memory: Kimi K2's rank costs about 1 GB of RSS). One
+``optimizer.step()`` runs under ``torch.utils.flop_counter.FlopCounterMode``: its matmuls are the Newton-Schulz
+iterations (Adam and the momentum updates are element-wise). What the rank holds is read from those objects
+(``bridge_ext.rehearse.measure``) and set beside ``nemo llm plan``'s numbers for the same rank (pipeline stage,
+data-parallel and expert-data-parallel rank).
+
+``device="cuda"`` (a GPU, Transformer Engine): the same rank with real tensors on the GPU and the recipe's own
+layer spec; ``torch.cuda.max_memory_allocated`` is reported beside the objects' bytes. For recipes whose rank
+fits one GPU (the Qwen3 proxies, ``qwen3_0p6b``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bridge_ext.errors import UserError
+
+__all__ = ["Coordinates", "Device", "Rehearsal", "format_rehearsal", "rehearse", "select_ranks"]
+
+Device = Literal["cpu", "cuda"]
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where a global rank sits: its rank in each parallel group, and the sharding groups' sizes."""
+
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int  # in the data-parallel x context-parallel group (what dist_muon and the distributed optimizer shard over)
+    dp_size: int
+    ep: int
+    etp: int
+    expert_dp: int
+    expert_dp_size: int
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} of {self.world}: pipeline stage {self.pp}, TP rank {self.tp}, DP rank {self.dp} of "
+                f"{self.dp_size}, EP rank {self.ep}, expert-DP rank {self.expert_dp} of {self.expert_dp_size}")
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    recipe: str
+    preset: str
+    layout: str
+    device: Device
+    parallel: dict[str, Any]
+    coordinates: Coordinates
+    optimizer: str  # what Megatron built, e.g. LayerWiseDistributedOptimizer[Float16...(TensorParallelMuon), ...]
+    planned_optimizer: str  # plan's kind: dist_muon, muon, adam_distributed, adam
+    measured: dict[str, int]  # bridge_ext.rehearse.measure.Footprint
+    planned: dict[str, int]
+    ns_flops: int | None  # FLOPs one optimizer.step() ran on this rank (None: no step)
+    planned_ns_flops: int
+    seconds: dict[str, float]
+    peak_rss_gb: float
+    cuda_max_allocated: int | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(component, rehearsal, plan) for every compared quantity."""
+        out = [(name, self.measured[key], self.planned[key]) for name, key in _ROWS]
+        if self.ns_flops is not None:
+            out.append(("Newton-Schulz FLOPs per step", self.ns_flops, self.planned_ns_flops))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe, "preset": self.preset, "layout": self.layout, "device": self.device,
+            "parallel": self.parallel, "coordinates": vars(self.coordinates), "optimizer": self.optimizer,
+            "planned_optimizer": self.planned_optimizer, "measured": self.measured, "planned": self.planned,
+            "ns_flops": self.ns_flops, "planned_ns_flops": self.planned_ns_flops,
+            "ratios": {name: (a / b if b else None) for name, a, b in self.rows()},
+            "seconds": self.seconds, "peak_rss_gb": self.peak_rss_gb, "cuda_max_allocated": self.cuda_max_allocated,
+            "notes": list(self.notes),
+        }
+
+
+_ROWS = (("parameters", "params"), ("  of them experts", "expert_params"), ("weights", "weights"),
+         ("grad buffer", "grads"), ("fp32 main params", "main_params"), ("optimizer state", "optimizer_state"))
+_BYTES = {"weights", "grad buffer", "fp32 main params", "optimizer state"}
+
+
+def select_ranks(text: str, *, world: int, pp: int) -> tuple[int, ...]:
+    """Ranks from ``--ranks``: comma-separated global ranks and the names ``first`` (0), ``last`` (world - 1)
+    and ``all-pp`` (the first rank of every pipeline stage; megatron-core's default order puts PP outermost)."""
+    out: list[int] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item == "first":
+            out.append(0)
+        elif item == "last":
+            out.append(world - 1)
+        elif item == "all-pp":
+            out += [stage * (world // pp) for stage in range(pp)]
+        elif item.lstrip("-").isdigit():
+            out.append(int(item))
+        else:
+            raise UserError(f"--ranks takes global ranks and first, last, all-pp (comma-separated); got '{item}'")
+    for rank in out:
+        if not 0 <= rank < world:
+            raise UserError(f"rank {rank} is outside this layout's world of {world} ranks (0-{world - 1})")
+    return tuple(dict.fromkeys(out))
+
+
+def _coordinates(rank: int, world: int) -> Coordinates:
+    from megatron.core import parallel_state as ps
+
+    return Coordinates(rank=rank, world=world, tp=ps.get_tensor_model_parallel_rank(),
+                       pp=ps.get_pipeline_model_parallel_rank(), cp=ps.get_context_parallel_rank(),
+                       dp=ps.get_data_parallel_rank(with_context_parallel=True),
+                       dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+                       ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+                       expert_dp=ps.get_expert_data_parallel_rank(),
+                       expert_dp_size=ps.get_expert_data_parallel_world_size())
+
+
+def _planned(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tuple[str, dict[str, int], int]:
+    """``nemo llm plan``'s numbers for this rank: (optimizer kind, footprint, NS FLOPs per step)."""
+    from bridge_ext.plan import plan
+    from bridge_ext.plan.memory import model_state, ns_flops_on_rank
+
+    planned = plan(recipe, layout=layout.cluster, spec=spec)
+    stage = planned.ranks[where.pp]
+    kind = planned.selected
+    state = model_state(stage, layout, kind, muon=kind in ("dist_muon", "muon"), dp_rank=where.dp,
+                        expert_dp_rank=where.expert_dp)
+    footprint = {"params": stage.total, "expert_params": stage.expert, **{k: round(v) for k, v in state.items()}}
+    return kind, footprint, ns_flops_on_rank(stage, layout, kind, dp_rank=where.dp, expert_dp_rank=where.expert_dp)
+
+
+def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, step: bool,
+              notes: list[str]) -> Rehearsal:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bridge_ext.rehearse.build import build_rank
+    from bridge_ext.rehearse.fake import fake_process_group, fake_tensors, initialize_parallel_state
+    from bridge_ext.rehearse.measure import describe_optimizer, footprint
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    with fake_process_group(rank=rank, world_size=layout.gpus):
+        initialize_parallel_state(cfg.model, cfg.dist,
+                                  num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances)
+        where = _coordinates(rank, layout.gpus)
+        seconds["parallel_state"] = time.perf_counter() - start
+        if device == "cpu":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            tensors = fake_tensors(FakeTensorMode(allow_non_fake_inputs=True))
+        else:
+            torch.cuda.reset_peak_memory_stats()
+            tensors = contextlib.nullcontext()
+        with tensors:
+            model, optimizer = build_rank(cfg, use_cpu_initialization=device == "cpu")
+            seconds["build"] = time.perf_counter() - start - seconds["parallel_state"]
+            ns_flops = None
+            if step:
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    optimizer.step()
+                ns_flops = counter.get_total_flops()
+                seconds["step"] = time.perf_counter() - start - seconds["parallel_state"] - seconds["build"]
+        measured = footprint(model, optimizer).as_dict()
+        built = describe_optimizer(optimizer)
+        cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        del model, optimizer
+    kind, planned, planned_ns = _planned(recipe, layout, where, spec="local" if device == "cpu" else "te")
+    seconds["total"] = time.perf_counter() - start
+    return Rehearsal(recipe=recipe.name, preset=recipe.preset.name, layout=layout.cluster, device=device,
+                     parallel=layout.parallelism(), coordinates=where, optimizer=built, planned_optimizer=kind,
+                     measured=measured, planned=planned, ns_flops=ns_flops, planned_ns_flops=planned_ns,
+                     seconds={k: round(v, 2) for k, v in seconds.items()},
+                     peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                     cuda_max_allocated=cuda_peak, notes=tuple(notes))
+
+
+def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = None, ranks: Sequence[int] = (0,),
+             device: Device = "cpu", step: bool = True) -> tuple[Rehearsal, ...]:
+    """Rehearse ``ranks`` of ``recipe`` (a name or ``recipes.Recipe``) on ``layout`` (default: the recipe's first)
+    with optimizer ``preset`` (default: the recipe's); ``step``: run one optimizer step (optimizer state after
+    a step, Newton-Schulz FLOPs). Only each rank's own objects are built, one rank at a time."""
+    import torch
+
+    from bridge_ext import patches
+    from bridge_ext.build import quiet_megatron
+    from bridge_ext.muon.presets import install_preset
+    from bridge_ext.rehearse.build import rehearsal_config
+    from recipes import get_recipe
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if preset:
+        recipe = recipe.with_preset(preset)
+    chosen = recipe.layout(layout)
+    for rank in ranks:
+        if not 0 <= rank < chosen.gpus:
+            raise UserError(f"rank {rank} is outside layout {chosen.cluster}'s world of {chosen.gpus} ranks "
+                            f"(0-{chosen.gpus - 1})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda needs a visible GPU; without one, rehearse on CPU fake tensors (the default)")
+    quiet_megatron()
+    patches.apply("stack")
+    if device == "cpu":
+        from bridge_ext.cpu_mode import enable_cpu_mode
+
+        enable_cpu_mode()
+    else:
+        from bridge_ext.cpu_mode import cpu_mode_active
+
+        if cpu_mode_active():
+            raise UserError("--device cuda in a process where CPU mode is on; run it in a process of its own")
+    install_preset(recipe.preset)  # Newton-Schulz coefficients, the gate/up split: what the step runs
+    cfg, notes = rehearsal_config(recipe, layout=chosen.cluster, device=device)
+    with patches.temporarily("rehearse"):
+        return tuple(_one_rank(recipe, chosen, cfg, rank, device=device, step=step, notes=notes) for rank in ranks)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _value(name: str, value: float) -> str:
+    if name in _BYTES:
+        return f"{value / GB:,.3f} GiB"
+    return f"{value:.4e}" if "FLOPs" in name else f"{value:,}"
+
+
+def format_rehearsal(result: Rehearsal) -> str:
+    par = result.parallel
+    shape = " ".join(f"{k.upper()}{v}" for k, v in par.items() if k != "gpus" and v is not None)
+    lines = [f"rehearse {result.recipe} (preset {result.preset}; layout {result.layout}: {par['gpus']} GPUs, {shape}; "
+             f"{result.device})",
+             f"  {result.coordinates.describe()}",
+             f"  built {result.optimizer} (plan: {result.planned_optimizer}); "
+             + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+             + f"; peak RSS {result.peak_rss_gb:.2f} GiB", "",
+             f"  {'component':<30}{'rehearsal (Megatron)':>24}{'plan':>24}{'ratio':>10}"]
+    for name, measured, planned in result.rows():
+        ratio = f"{measured / planned:.4f}" if planned else "-"
+        lines.append(f"  {name:<30}{_value(name, measured):>24}{_value(name, planned):>24}{ratio:>10}")
+    if result.cuda_max_allocated is not None:
+        lines.append(f"  {'torch.cuda.max_memory_allocated':<30}{_value('weights', result.cuda_max_allocated):>24}")
+    lines += [f"  note: {n}" for n in result.notes]
+    return "\n".join(lines)
