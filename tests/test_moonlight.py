@@ -187,3 +187,66 @@ def test_proxy_trains_with_both_optimizers_and_resumes_bit_exact(nemo, tmp_path)
     assert resumed == {i: straight[i] for i in range(5, 9)}
     adamw = _losses(nemo, tmp_path, f"{PROXY}_adamw", "adamw")
     assert adamw[8] < adamw[1] - 0.3 and adamw != straight
+
+
+# ------------------------------------------------------------------------------------- HF import / export
+FP32_TOLERANCE = 1e-5  # Megatron vs transformers logits in fp32 (tests/test_convert.py's bar)
+
+
+@pytest.mark.stack  # conversion is Megatron Bridge's DeepSeek-V3 bridge and transformers' classes: per release
+@pytest.mark.slow
+def test_hf_round_trip_and_recipe_cycle_without_remote_code(nemo, tmp_path):
+    """A random model of the proxy's config (Moonlight's keys: model_type deepseek_v3, auto_map into remote code,
+    no query low-rank, 2 shared experts, a dense first layer) HF -> import --verify -> export: every tensor bit for
+    bit, the config's bytes, Megatron's logits = transformers'; transformers loads the export with its own
+    DeepSeek-V3 class (no remote code). Then the imported checkpoint trains with the proxy recipe (lr 0) and the
+    run exports, found by its sizes, to the same weights."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bridge_ext import convert
+    from bridge_ext.convert import export_hf, find_iteration, import_hf
+    from tests.hf_fixtures import write_hf_dir
+
+    shipped = MODELS[PROXY].config_dir / "config.json"
+    raw = json.loads(shipped.read_text())
+    hf = write_hf_dir(tmp_path / "hf", raw, dtype=raw["torch_dtype"], config_json=raw, seed=3, shard_bytes=200_000)
+    imported = import_hf(hf, tmp_path / "mg", verify=True, tolerance=FP32_TOLERANCE, progress=False, console=None)
+    assert imported.max_logit_diff is not None and imported.max_logit_diff <= FP32_TOLERANCE
+    export_hf(tmp_path / "mg", tmp_path / "out", progress=False, console=None)
+    source, exported = _tensors(hf), _tensors(tmp_path / "out")
+    assert sorted(source) == sorted(exported) and any(".mlp.shared_experts." in k for k in source)
+    assert all(exported[k].view(torch.uint8).equal(v.view(torch.uint8)) for k, v in source.items())
+    assert (tmp_path / "out" / "config.json").read_bytes() == shipped.read_bytes()  # auto_map kept, not run
+
+    model, original = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (tmp_path / "out", hf))
+    assert type(model).__module__.startswith("transformers.models.deepseek_v3.")  # transformers' own class
+    ids = torch.randint(0, raw["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert (logits - original(ids).logits).abs().max() <= 1e-6 and logits.abs().max() > 0.1
+
+    result = nemo(["llm", "pretrain", "--recipe", f"{PROXY}_muon", "--device", "cpu", "train.train_iters=2",
+                   "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
+                   f"checkpoint.pretrained_checkpoint={tmp_path / 'mg'}", f"checkpoint.save={tmp_path / 'run'}",
+                   "checkpoint.save_interval=2"], cwd=tmp_path)
+    assert result.code == 0, result.stderr[-3000:]
+    assert f"successfully loaded checkpoint from {tmp_path / 'mg'}" in result.stdout + result.stderr
+    iter_dir, number = find_iteration(tmp_path / "run")
+    assert number == 2
+    export_hf(tmp_path / "run", tmp_path / "run_hf", progress=False, console=None)
+    assert (tmp_path / "run_hf" / "config.json").read_bytes() == shipped.read_bytes()  # recognized by its sizes
+    trained = _tensors(tmp_path / "run_hf")
+    assert sorted(trained) == sorted(source) and all(trained[k].equal(v) for k, v in source.items())
+    assert convert.verify_logits(tmp_path / "run_hf", iter_dir) <= FP32_TOLERANCE
+
+
+def _tensors(directory) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out

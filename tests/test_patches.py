@@ -56,6 +56,8 @@ CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (th
                          "layer-wise-all-gather-v (per-rank buffers) (helper)"}
 # megatron-core 0.17+ names the torch_dist writer's results-queue factory get_write_results_queue (a Manager still)
 WRITER_QUEUE_PUBLIC = {"checkpoint-writer-dies-with-trainer (get_write_results_queue)"}
+MLA_Q_WITHOUT_LORA = {f"{name}{scope}" for name in ("mla-q-projection-without-norm", "mla-unused-q-norm")
+                      for scope in ("", " (conversion)")}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
     ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
                          "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
@@ -83,7 +85,9 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
                          *WRITER_QUEUE_PUBLIC},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
     # set against it, matches param groups by every override key; MB 0.6's KimiK2Bridge maps SequentialMLP experts
-    ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *{f"{name} (emerging_optimizers)" for name in
+    # megatron-core 0.19's QKNormConfigResolver fuses a norm into linear_q_proj without a query low-rank (Moonlight)
+    # and refuses the local spec's unused q_layernorm
+    ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *MLA_Q_WITHOUT_LORA, *{f"{name} (emerging_optimizers)" for name in
                                                        MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
                          *WRITER_QUEUE_PUBLIC},
 }
@@ -96,6 +100,8 @@ APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-
 # ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
 # tests/test_upstream_muon_bugs.py)
 APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa",
+                                 # megatron-core 0.16-0.19 build MLA's latent norms with layernorm_epsilon
+                                 "mla-latent-norm-eps", "mla-latent-norm-eps (conversion)",
                                  # rehearsals (nemo llm rehearse): torch 2.10-2.14's Module._apply swaps fake
                                  # parameters (probed); megatron-core 0.16-0.19's Float16 optimizer takes CUDA types only
                                  "fake-parameter-conversion", "float16-optimizer-cpu-types"}
