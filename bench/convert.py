@@ -17,8 +17,8 @@ so that peak RSS is its own:
   ``torchrun --standalone --nproc-per-node N`` (gloo on CPU), each rank's peak RSS reported on its own line
   (the model is a dense Qwen3, so ``--ep`` does not apply).
 
-Prints throughput (checkpoint bytes / conversion time) as a ratio to the baseline's, and peak RSS as a ratio
-to the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
+Prints throughput (checkpoint bytes / conversion time, and / CPU time of the phase and the processes it waited
+for) as a ratio to the baseline's, and peak RSS (``VmHWM``) as a ratio to the checkpoint's bytes, both raw and above the process's RSS once its libraries are imported (the fixed
 cost of torch + Megatron, which does not grow with the model). With two sizes or more it also prints the
 marginal rate of each phase (the slope between the smallest and the largest size: fixed costs cancel) and
 its ratio to the baseline's marginal rate. Outputs are deleted as soon as the next phase no longer needs
@@ -49,7 +49,19 @@ def _rss_now_mb() -> float:
     return 0.0
 
 
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and of the processes it waited for (Megatron's checkpoint writers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _peak_mb() -> float:
+    """This process's peak RSS: VmHWM, which starts afresh at exec. (``ru_maxrss`` would not: Linux carries it
+    over execve, so a child started by a parent that holds the generated model would report the parent's RSS.)"""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -110,6 +122,7 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1, threads:
         from safetensors.torch import load_file, save_file
 
         base = _rss_now_mb()
+        cpu = _cpu_seconds()
         out = work / "baseline"
         out.mkdir()
         start = time.perf_counter()
@@ -120,7 +133,7 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1, threads:
             save_file(tensors, out / file.name, metadata={"format": "pt"})
             del tensors
         seconds = time.perf_counter() - start
-        return {"seconds": seconds, "bytes": total, "peak_mb": _peak_mb(), "base_mb": base}
+        return {"seconds": seconds, "cpu": _cpu_seconds() - cpu, "bytes": total, "peak_mb": _peak_mb(), "base_mb": base}
 
     import torch  # noqa: F401  (libraries first, so base_mb is the fixed cost)
 
@@ -131,6 +144,7 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1, threads:
     import megatron.bridge.training.model_load_save  # noqa: F401
 
     base = _rss_now_mb()
+    cpu = _cpu_seconds()
     suffix = "" if tp * pp == 1 else f"-tp{tp}-pp{pp}"
     stream = name.endswith("-stream")
     if stream:
@@ -142,7 +156,8 @@ def phase(name: str, hf: Path, work: Path, *, tp: int = 1, pp: int = 1, threads:
         summary = convert.import_hf(hf, work / f"mg{suffix}", tp=tp, pp=pp, **quiet)
     else:
         summary = convert.export_hf(work / f"mg{suffix}", work / f"out{suffix}", tp=tp, pp=pp, **quiet)
-    return {"seconds": summary.seconds, "bytes": summary.bytes, "peak_mb": _peak_mb(), "base_mb": base,
+    return {"seconds": summary.seconds, "cpu": _cpu_seconds() - cpu, "bytes": summary.bytes, "peak_mb": _peak_mb(),
+            "base_mb": base,
             "rank": int(os.environ.get("RANK", "0"))}  # fmt: skip
 
 
@@ -167,16 +182,19 @@ def _run_phase(name: str, nproc: int, hf: Path, work: Path, args: argparse.Names
 
 
 def _table(results: dict, total: int) -> None:
-    base_tp = results["baseline"]["bytes"] / results["baseline"]["seconds"] if "baseline" in results else None
-    print(f"{'phase':<22} {'time s':>8} {'GB/s':>7} {'x baseline':>10} {'peak RSS GB':>12} {'x ckpt':>7} "
-          f"{'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
+    """Per phase: wall time and throughput, CPU time and CPU throughput (bytes per CPU second: on a machine shared
+    with other jobs, wall time is what the scheduler left over), each as a ratio to the baseline; peak RSS."""
+    base = results.get("baseline")
+    print(f"{'phase':<22} {'time s':>8} {'GB/s':>7} {'x base':>7} {'cpu s':>7} {'GB/cpu-s':>9} {'x base':>7} "
+          f"{'peak RSS GB':>12} {'x ckpt':>7} {'above libs GB':>14} {'x ckpt':>7}")  # fmt: skip
     for name, r in results.items():
-        tp = r["bytes"] / r["seconds"]
+        tp, cpu_tp = r["bytes"] / r["seconds"], r["bytes"] / max(r["cpu"], 1e-9)
         above = (r["peak_mb"] - r["base_mb"]) * 2**20
         peak = r["peak_mb"] * 2**20
-        ratio = f"{tp / base_tp:10.3f}" if base_tp else f"{'':>10}"
-        print(f"{name:<22} {r['seconds']:8.2f} {tp / 1e9:7.3f} {ratio} {peak / 1e9:12.2f} "
-              f"{peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
+        ratio = f"{tp / (base['bytes'] / base['seconds']):7.3f}" if base else f"{'':>7}"
+        cpu_ratio = f"{cpu_tp / (base['bytes'] / max(base['cpu'], 1e-9)):7.3f}" if base else f"{'':>7}"
+        print(f"{name:<22} {r['seconds']:8.2f} {tp / 1e9:7.3f} {ratio} {r['cpu']:7.2f} {cpu_tp / 1e9:9.3f} {cpu_ratio} "
+              f"{peak / 1e9:12.2f} {peak / total:7.2f} {above / 1e9:14.2f} {above / total:7.2f}")  # fmt: skip
 
 
 def main() -> None:
@@ -231,12 +249,13 @@ def main() -> None:
     if len(measured) > 1:
         (small, (b0, r0)), (large, (b1, r1)) = list(measured.items())[0], list(measured.items())[-1]
         print(f"\nmarginal rate between {small} and {large} (extra bytes / extra seconds):")
-        marginal = {n: (r1[n]["bytes"] - r0[n]["bytes"]) / max(r1[n]["seconds"] - r0[n]["seconds"], 1e-9)
-                    for n in r1 if n in r0}  # fmt: skip
-        base = marginal.get("baseline")
-        for name, rate in marginal.items():
-            ratio = f"{rate / base:.3f}x baseline" if base else ""
-            print(f"{name:<22} {rate / 1e9:7.3f} GB/s  {ratio}")
+        for key, unit in (("seconds", "GB/s"), ("cpu", "GB/cpu-s")):
+            marginal = {n: (r1[n]["bytes"] - r0[n]["bytes"]) / max(r1[n][key] - r0[n][key], 1e-9)
+                        for n in r1 if n in r0}  # fmt: skip
+            base = marginal.get("baseline")
+            for name, rate in marginal.items():
+                ratio = f"{rate / base:.3f}x baseline" if base else ""
+                print(f"{name:<22} {rate / 1e9:7.3f} {unit:<8}  {ratio}")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def _assemble(chunks: TorchDistChunks, param: Any, pieces: list[Chunk]) -> Any:
     """The parameter's full value from its stored chunks (one chunk covering it: that tensor, no copy)."""
     import torch
 
-    loaded = [chunks.read(c.key, c.offsets) for c in pieces]
+    loaded = [chunks.read(c.key, c.offsets, c.sizes, chunks.dtype(c.key)) for c in pieces]
     if len(pieces) == 1 and pieces[0].view[2] == 0 and loaded[0].numel() == param.numel():
         return loaded[0].reshape(param.shape)
     value = torch.empty(param.shape, dtype=loaded[0].dtype)

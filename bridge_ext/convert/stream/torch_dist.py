@@ -21,11 +21,15 @@ loads in any layout (DCP reads the overlap of each rank's shard with the stored 
 
 from __future__ import annotations
 
+import collections
 import io
+import math
 import os
 import pickle
+import struct
 import threading
 import uuid
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +85,19 @@ def plan_chunks(sharded: Iterable[Any], skeleton: Skeleton) -> tuple[dict[tuple[
 
 
 def _chunk_value(value: Any, chunk: Chunk) -> Any:
+    """The chunk's part of the parameter's value as a tensor whose storage is exactly that part: ``torch.save``
+    writes a tensor's whole storage, so a view (e.g. one half of a gated ``linear_fc1``) is re-based onto the slice
+    of the storage it covers (shared memory, no copy)."""
+    import torch
+
     size, stride, offset = chunk.view
-    return value.as_strided(size, stride, offset).reshape(chunk.sizes).contiguous()
+    piece = value.as_strided(size, stride, offset).reshape(chunk.sizes).contiguous()
+    nbytes = piece.numel() * piece.element_size()
+    if piece.untyped_storage().nbytes() == nbytes:
+        return piece
+    start = piece.storage_offset() * piece.element_size()
+    part = piece.untyped_storage()[start : start + nbytes]
+    return torch.empty(0, dtype=piece.dtype).set_(part, 0, piece.shape, piece.stride())
 
 
 class _Recorder:
@@ -287,6 +302,52 @@ class _FileSlice(io.RawIOBase):
         return got
 
 
+class _TensorRecord(pickle.Unpickler):
+    """Reads the ``data.pkl`` of one ``torch.save``\ d tensor without loading anything: the storage it names and
+    ``_rebuild_tensor_v2``'s arguments. Anything else in the pickle (another class, a second storage) raises, and
+    the chunk is read by ``torch.load``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid  # ('storage', storage type, key, location, numel)
+
+
+def _stored_tensor_range(fd: int, offset: int, length: int, sizes: tuple[int, ...], element: int) -> int | None:
+    """Where, in the file, the data of a ``torch.save``\ d contiguous tensor of ``sizes`` starts -- or None when the
+    record is anything else (then ``torch.load`` reads it). torch.save writes a zip of ``<name>/data.pkl`` and
+    ``<name>/data/<key>`` records, stored uncompressed (``torch/serialization.py``)."""
+    with zipfile.ZipFile(io.BufferedReader(_FileSlice(fd, offset, length))) as archive:
+        infos = {info.filename: info for info in archive.infolist()}
+        pickles = [name for name in infos if name.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            return None
+        try:
+            storage, storage_offset, size, stride = _TensorRecord(io.BytesIO(archive.read(pickles[0]))).load()
+        except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError):
+            return None
+    contiguous = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
+    if size != sizes or storage_offset != 0 or (stride != contiguous and math.prod(size) > 1):
+        return None
+    if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage"):
+        return None
+    record = infos.get(f"{pickles[0][: -len('data.pkl')]}data/{storage[2]}")
+    if record is None or record.compress_type != zipfile.ZIP_STORED or record.file_size != math.prod(size) * element:
+        return None
+    header = os.pread(fd, 30, offset + record.header_offset)  # the local file header: name and extra lengths
+    if header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return offset + record.header_offset + 30 + name_length + extra_length
+
+
 class TorchDistChunks:
     """The chunks of a torch_dist checkpoint by (key, global offset), read one at a time."""
 
@@ -313,13 +374,26 @@ class TorchDistChunks:
                 self._fds[file] = os.open(self.directory / file, os.O_RDONLY)
             return self._fds[file]
 
-    def read(self, key: str, offsets: tuple[int, ...]) -> Any:
-        """The stored chunk of ``key`` at ``offsets`` (as ``FileSystemReader`` reads it: ``torch.load``)."""
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...] | None = None, dtype: Any = None) -> Any:
+        """The stored chunk of ``key`` at ``offsets``: where it is a plain contiguous tensor of ``sizes`` and ``dtype``
+        (what megatron-core and this module write), its bytes mapped in place (no copy); otherwise as torch's
+        ``FileSystemReader`` reads it, ``torch.load`` of the byte range."""
         import torch
 
+        from bridge_ext.convert.stream.hf_io import map_range
+
         info = self._where[(key, offsets)]
-        stream = _FileSlice(self._fd(info.relative_path), info.offset, info.length)
+        fd = self._fd(info.relative_path)
+        if sizes is not None and dtype is not None and not info.transform_descriptors:
+            element = torch.empty((), dtype=dtype).element_size()
+            start = _stored_tensor_range(fd, info.offset, info.length, sizes, element)
+            if start is not None:
+                return map_range(fd, start, math.prod(sizes) * element, dtype, sizes)
+        stream = _FileSlice(fd, info.offset, info.length)
         return torch.load(io.BufferedReader(stream, buffer_size=1 << 16), map_location="cpu", weights_only=True)
+
+    def dtype(self, key: str) -> Any:
+        return self.metadata.state_dict_metadata[key].properties.dtype
 
     def close(self) -> None:
         with self._lock:
