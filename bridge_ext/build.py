@@ -140,6 +140,12 @@ def template(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
         cfg.tokenizer.tokenizer_type = "NullTokenizer"
         cfg.tokenizer.tokenizer_model = None
         cfg.tokenizer.vocab_size = cfg.model.vocab_size
+        # The model's vocabulary is the HF config's on every stack: megatron-bridge 0.6's template sets
+        # use_tokenizer_vocab_size, with which setup() replaces it by the tokenizer's and pads that to a multiple
+        # of make_vocab_size_divisible_by x TP (training/setup.py _validate_and_set_vocab_size: Kimi K2's proxy
+        # 4096 -> 5120 rows); earlier releases keep a model vocabulary that is set.
+        if hasattr(cfg.tokenizer, "use_tokenizer_vocab_size"):
+            cfg.tokenizer.use_tokenizer_vocab_size = False
     else:
         from bridge_ext.finetune.build import finetune_tokenizer_dir, lora_config
 

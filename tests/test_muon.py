@@ -543,12 +543,15 @@ def test_orthogonality_error():
 @pytest.mark.slow
 def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
     """Megatron Bridge's real pretrain() with the kimi_k2 preset: MuonClip in the loop, telemetry every 2 steps."""
+    import torch
+    from megatron.bridge.training.callbacks import Callback
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu
+    from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.hf import read_config_json
     from bridge_ext.muon import MuonTelemetry, apply_preset, install_ns_coefficients, resolve_schedule
 
     preset = PRESETS["kimi_k2"]
@@ -561,12 +564,26 @@ def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
     cfg.logger.log_interval = 2
     configure_for_cpu(cfg)
     resolve_schedule(cfg, preset)
-    lines = []
+    lines, rows = [], []
     telemetry = MuonTelemetry(interval=2, log=lines.append)
+
+    class EmbeddingRows(Callback):
+        def on_train_start(self, context):
+            rows.extend(p.shape[0] for n, p in context.model[0].named_parameters()
+                        if n.endswith("embedding.word_embeddings.weight"))
+
+    reset_megatron_globals()
+    # an in-memory gloo group instead of pretrain()'s TCP rendezvous on port 29500: concurrent runs cannot collide
+    init_single_process_distributed()
     try:
-        pretrain(cfg, forward_step, callbacks=[telemetry])
+        pretrain(cfg, forward_step, callbacks=[telemetry, EmbeddingRows()])
     finally:
         install_ns_coefficients("quintic")
+        reset_megatron_globals()
+        torch.distributed.destroy_process_group()
+    # the model's vocabulary is its config.json's on every stack (megatron-bridge 0.6's template would let the
+    # tokenizer's replace it, padded to a multiple of 1280 here: 5120 rows)
+    assert rows == [read_config_json(get_recipe("kimi_k2_proxy_muon").model.config_dir)["vocab_size"]]
     assert [r["iteration"] for r in telemetry.history] == [2, 4, 6]
     for record in telemetry.history:
         # Megatron steps the scheduler after each optimizer step: step i runs at the lr of i - 1 steps of

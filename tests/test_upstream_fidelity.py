@@ -50,6 +50,8 @@ _HOW_IT_IS_BUILT = {
     "generation_config": "MB 0.3.0 providers carry HF's generation settings (inference only): from_hf_config "
                          "derives them from config.json, from_hf_pretrained reads generation_config.json, which "
                          "the shipped dirs do not have",
+    "hf_model_revision": "MB 0.6's recipes pin the hub revision they load (from_hf_pretrained(..., revision=...)); "
+                         "ours reads the shipped config.json (recipes/hf_configs), no hub",
 }
 # Intended differences, model field -> reason (per recipe: the fields that may differ from MB's recipe).
 ALLOWED: dict[str, dict[str, str]] = {
@@ -65,10 +67,22 @@ ALLOWED: dict[str, dict[str, str]] = {
         **dict.fromkeys(
             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_dtype",
              "expert_model_parallel_size", "recompute_granularity", "recompute_method", "recompute_num_layers",
-             "moe_token_dispatcher_type"),
-            "layout: ours is 16 H100s with TP2 EP8, selective recompute and the all-to-all dispatcher "
-            "(recipes/layouts.py says why); MB's recipe is TP4 PP2 EP4 with full recompute and, on Hopper, "
-            "DeepEP's flex dispatcher"),
+             "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "sequence_parallel"),
+            "layout: ours is 16 H100s with TP2 (so sequence parallel) EP8, selective recompute and the all-to-all "
+            "dispatcher on every stack (recipes/layouts.py says why); MB's recipe is TP4 PP2 EP4 with full "
+            "recompute and, on Hopper, DeepEP's flex dispatcher up to 0.5, and TP1 EP16 without recompute on "
+            "HybridEP's flex dispatcher in 0.6 (not followed: `nemo llm plan` puts both at ~60 GiB of an H100 "
+            "with Muon, and ours needs no dispatcher kernels beyond megatron-core's own)"),
+        **dict.fromkeys(
+            ("apply_rope_fusion", "bias_activation_fusion", "moe_router_fusion"),
+            "kernel choice, the same math: MB 0.6's 16-GPU recipe fuses RoPE, bias-SwiGLU and the router's top-k "
+            "(TE / fused kernels); ours keeps megatron-core's unfused defaults, which every stack and CPU mode run"),
+        **dict.fromkeys(
+            ("cuda_graph_impl", "cuda_graph_scope", "use_te_rng_tracker"),
+            "CUDA graphs (speed: the same kernels replayed): MB 0.6's 16-GPU recipe captures the MoE router and "
+            "preprocessing with TE's graphs, which need TE's RNG tracker (Qwen3 has no dropout: no random "
+            "numbers drawn either way); ours captures none (cuda_graph_impl 'none', as MB up to 0.5; CPU mode "
+            "has no CUDA)"),
     },
     "kimi_k2_muon": {
         **_KERNEL_AND_BUILD_MACHINE, **_HOW_IT_IS_BUILT, **_UNREAD, **_UNREAD_MOE,
@@ -90,6 +104,9 @@ ALLOWED: dict[str, dict[str, str]] = {
         "max_position_embeddings": "a KimiK2Provider field the generic MLAModelProvider does not have (MB "
                                    "0.3.1); seq_length 4096 and YaRN's original_max_position_embeddings 4096 "
                                    "are equal in both",
+        "seq_length": "ours 4096 (the Kimi K2 report's pre-training length; MB 0.3's KimiK2Provider and 0.4+'s "
+                      "KimiK2Bridge too); MB 0.6's recipe sets only dataset.seq_length 4096 and keeps the DeepSeek-V3 "
+                      "bridge's seq_length = max_position_embeddings 131072 (its own validate() refuses that pair)",
     },
 }
 
@@ -100,6 +117,10 @@ _THEIRS = {  # module, function, keyword arguments
     "qwen3_30b_a3b_muon": ("megatron.bridge.recipes.qwen.qwen3_moe", "qwen3_30b_a3b_pretrain_config", {}),
     "kimi_k2_muon": ("megatron.bridge.recipes.kimi.kimi_k2", "kimi_k2_pretrain_config", {"optimizer_type": "muon"}),
 }
+# megatron-bridge 0.6 names its recipes by cluster, and its legacy name qwen3_8b_pretrain_config became the 16-GPU
+# convergence cohort (TP1 DP16); the TP4 recipe that 0.3-0.5 call by that name is qwen3_8b_pretrain_4gpu_h100_bf16_config.
+# Where it exists, ours (h100x8: TP4, as fp32 main weights and Muon momentum of 8 B parameters want) is compared with it.
+_BY_CLUSTER = {"qwen3_8b_muon": ("megatron.bridge.recipes.qwen.h100.qwen3", "qwen3_8b_pretrain_4gpu_h100_bf16_config")}
 
 
 @pytest.fixture
@@ -152,8 +173,11 @@ def _stages(layout) -> list[list[str]] | None:
 
 def _mb_recipe(name: str):
     import importlib
+    import importlib.util
 
     module, function, kwargs = _THEIRS[name]
+    if name in _BY_CLUSTER and importlib.util.find_spec(_BY_CLUSTER[name][0].rpartition(".")[0]) is not None:
+        module, function = _BY_CLUSTER[name]  # megatron.bridge.recipes.qwen.h100 (0.6+)
     recipe = getattr(importlib.import_module(module), function)
     takes = inspect.signature(recipe).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
