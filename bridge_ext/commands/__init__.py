@@ -27,6 +27,7 @@ from bridge_ext.commands import (
     prepare_data,
     pretrain,
     recipes,
+    rehearse,
 )
 from bridge_ext.commands.common import Command, Parser, error
 from bridge_ext.errors import UserError
@@ -45,6 +46,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("compare", compare.add_parser, compare.run),
     Command("muon-plan", muon_plan.add_parser, muon_plan.run),
     Command("plan", plan.add_parser, plan.run),
+    Command("rehearse", rehearse.add_parser, rehearse.run),
     Command("finetune", finetune.add_parser, finetune.run, recipe="needed", nemo_run="--factory", unless=("--list",)),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}

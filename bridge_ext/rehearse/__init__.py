@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from bridge_ext.errors import UserError
 
-__all__ = ["Coordinates", "Device", "Rehearsal", "format_rehearsal", "rehearse", "select_ranks"]
+__all__ = ["Coordinates", "Device", "Rehearsal", "format_rehearsal", "rehearse", "select_ranks",
+           "with_layout_overrides"]
 
 Device = Literal["cpu", "cuda"]
 GB = 2**30
@@ -150,7 +151,7 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
 
     from bridge_ext.rehearse.build import build_rank
     from bridge_ext.rehearse.fake import fake_process_group, fake_tensors, initialize_parallel_state
-    from bridge_ext.rehearse.measure import describe_optimizer, footprint
+    from bridge_ext.rehearse.measure import describe_optimizer, footprint, initialize_state
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -176,6 +177,8 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
                     optimizer.step()
                 ns_flops = counter.get_total_flops()
                 seconds["step"] = time.perf_counter() - start - seconds["parallel_state"] - seconds["build"]
+            else:
+                initialize_state(optimizer)
         measured = footprint(model, optimizer).as_dict()
         built = describe_optimizer(optimizer)
         cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
@@ -190,11 +193,43 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
                      cuda_max_allocated=cuda_peak, notes=tuple(notes))
 
 
+def with_layout_overrides(recipe: Any, layout: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
+    """(recipe, layout) with ``key=value`` layout sizes applied (``bridge_ext.plan.OVERRIDABLE``'s keys:
+    ``model.tensor_model_parallel_size=2``, ``gpus=16``, ...); the recipe holds only that layout."""
+    import dataclasses
+
+    import yaml
+
+    from bridge_ext.errors import closest
+    from bridge_ext.plan import OVERRIDABLE
+
+    chosen = recipe.layout(layout)
+    sizes: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or key not in OVERRIDABLE:
+            raise UserError(f"`nemo llm rehearse` takes layout sizes as KEY=VALUE, got '{item}'{closest(key, OVERRIDABLE)}"
+                            f"; keys: {', '.join(OVERRIDABLE)}")
+        value = yaml.safe_load(text)
+        field_name = OVERRIDABLE[key]
+        if field_name != "pipeline_layout" and not (field_name == "vp" and value is None) and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UserError(f"{key} must be a positive integer, got {text!r}")
+        sizes[field_name] = value
+    if not sizes:
+        return recipe, chosen
+    chosen = dataclasses.replace(chosen, **sizes)
+    return dataclasses.replace(recipe, layouts={chosen.cluster: chosen}), chosen
+
+
 def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = None, ranks: Sequence[int] = (0,),
-             device: Device = "cpu", step: bool = True) -> tuple[Rehearsal, ...]:
+             device: Device = "cpu", step: bool = True, overrides: Sequence[str] = ()) -> tuple[Rehearsal, ...]:
     """Rehearse ``ranks`` of ``recipe`` (a name or ``recipes.Recipe``) on ``layout`` (default: the recipe's first)
-    with optimizer ``preset`` (default: the recipe's); ``step``: run one optimizer step (optimizer state after
-    a step, Newton-Schulz FLOPs). Only each rank's own objects are built, one rank at a time."""
+    with optimizer ``preset`` (default: the recipe's). ``step``: run one optimizer step (the state a step leaves,
+    Newton-Schulz FLOPs); otherwise the state is allocated as megatron-core does before a checkpoint load
+    (``measure.initialize_state``: the same tensors, without Adam's step counters) and no FLOPs are counted.
+    ``overrides``: layout sizes (:func:`with_layout_overrides`). Only each rank's own objects are built, one rank
+    at a time."""
     import torch
 
     from bridge_ext import patches
@@ -206,7 +241,7 @@ def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = Non
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if preset:
         recipe = recipe.with_preset(preset)
-    chosen = recipe.layout(layout)
+    recipe, chosen = with_layout_overrides(recipe, layout, overrides)
     for rank in ranks:
         if not 0 <= rank < chosen.gpus:
             raise UserError(f"rank {rank} is outside layout {chosen.cluster}'s world of {chosen.gpus} ranks "

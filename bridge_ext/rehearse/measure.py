@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Footprint", "footprint", "optimizer_members", "describe_optimizer"]
+__all__ = ["Footprint", "describe_optimizer", "footprint", "initialize_state", "optimizer_members"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,23 @@ def describe_optimizer(optimizer: Any) -> str:
     inner = ", ".join(f"{type(m).__name__}({type(getattr(m, 'optimizer', None)).__name__})"
                       for m in optimizer_members(optimizer))
     return f"{type(optimizer).__name__}[{inner}]" if hasattr(optimizer, "chained_optimizers") else inner
+
+
+def initialize_state(optimizer: Any) -> int:
+    """Allocate the optimizer state without a step, as megatron-core does before a checkpoint load (each member's
+    ``init_state_fn(optimizer, config)``: Muon's momentum, Adam's two moments; no step counters). Returns how
+    many members allocated."""
+    import inspect
+
+    count = 0
+    for member in optimizer_members(optimizer):
+        init = getattr(member, "init_state_fn", None)
+        inner = getattr(member, "optimizer", None)
+        if init is None or inner is None or len(inspect.signature(init).parameters) < 2:
+            continue  # the default (lambda x: None): nothing to allocate
+        init(inner, member.config)
+        count += 1
+    return count
 
 
 def _storage(tensor: Any) -> Any:
