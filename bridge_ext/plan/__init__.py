@@ -16,7 +16,8 @@ from bridge_ext.errors import UserError, closest
 from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
 from bridge_ext.plan.ranks import RankParams, Spec, rank_params
 
-__all__ = ["BLOG", "OVERRIDABLE", "OVERRIDE_KEYS", "Plan", "format_plan", "plan", "plan_summary"]
+__all__ = ["BLOG", "OVERRIDABLE", "OVERRIDE_KEYS", "Plan", "format_plan", "pipeline_ranks", "plan", "plan_summary",
+           "selected_optimizer"]
 
 # NVIDIA Technical Blog, "Advancing Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron"
 # (2026-04-22), Table 1, GB300 NVL72, MXFP8, Megatron Bridge 26.02, TFLOP/s per GPU. Muon's figure counts
@@ -160,6 +161,26 @@ def _default_tflops(recipe, layout, kind: str) -> tuple[float | None, str]:
     return value, f"NVIDIA's measured {value:,.0f} TFLOP/s/GPU ({recipe.model.display}, {kind}, GB300 MXFP8; {BLOG_URL})"
 
 
+def pipeline_ranks(recipe: Any, layout: Any, *, spec: Spec, manifest: Any = None) -> list[RankParams]:
+    """What each pipeline rank of ``recipe`` (a ``recipes.Recipe``) holds on ``layout`` (a ``Layout``), the
+    routes as Muon would take them (for the Muon rows of an AdamW recipe too: 2-D, not embedding/output)."""
+    from bridge_ext.muon import muon_plan
+    from recipes import RECIPES
+
+    if manifest is None:
+        manifest = muon_plan(replace(recipe, layouts={layout.cluster: layout}), layout=layout.cluster)
+    muon_twin = next((r for r in (recipe, RECIPES.get(recipe.name), RECIPES.get(recipe.twin))
+                      if r and r.preset.kind == "muon"), None)
+    routes = manifest if muon_twin is None or recipe.preset.kind == "muon" else muon_plan(
+        replace(muon_twin, layouts={layout.cluster: layout}), layout=layout.cluster)
+    return rank_params(recipe.model.architecture, routes.rows, layout, spec=spec)
+
+
+def selected_optimizer(recipe: Any, overrides: dict[str, Any] | None = None) -> OptimizerKind:
+    """The optimizer kind ``recipe``'s preset (with ``optimizer.*`` ``overrides``) builds."""
+    return _selected({**recipe.preset.optimizer, **(overrides or {})})
+
+
 def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, overrides: list[str] = (),
          tflops_per_gpu: float | None = None, spec: Spec | None = None) -> Plan:
     """The plan of ``recipe`` (a name or ``recipes.Recipe``) on a layout, with ``key=value`` overrides.
@@ -167,7 +188,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     ``spec``: the layer spec the ranks build: ``te`` (GPUs) or ``local`` (CPU); default by the layout's name."""
     from bridge_ext.muon import muon_plan
     from bridge_ext.plan.flops import model_flops_per_step
-    from recipes import RECIPES, get_recipe
+    from recipes import get_recipe
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if preset:
@@ -183,14 +204,8 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     if problems:
         raise UserError(f"layout {chosen.cluster} does not fit {recipe.model.display}: {'; '.join(problems)}")
     spec = spec or ("local" if chosen.cluster.startswith("cpu") else "te")
-    planned = replace(recipe, layouts={chosen.cluster: chosen})
-    manifest = muon_plan(planned, layout=chosen.cluster)
-    # Routes as Muon would take them (for the Muon rows of an AdamW recipe too): 2-D, not embedding/output.
-    muon_twin = next((r for r in (recipe, RECIPES.get(recipe.name), RECIPES.get(recipe.twin))
-                      if r and r.preset.kind == "muon"), None)
-    routes = manifest if muon_twin is None or recipe.preset.kind == "muon" else muon_plan(
-        replace(muon_twin, layouts={chosen.cluster: chosen}), layout=chosen.cluster)
-    ranks = rank_params(arch, routes.rows, chosen, spec=spec)
+    manifest = muon_plan(replace(recipe, layouts={chosen.cluster: chosen}), layout=chosen.cluster)
+    ranks = pipeline_ranks(recipe, chosen, spec=spec, manifest=manifest)
     micro_batches = chosen.global_batch_size // (chosen.micro_batch_size * chosen.dp)
     activations = {r.pp_rank: activation_bytes(arch, chosen, r, micro_batches=micro_batches, recompute=recompute)
                    for r in ranks}
@@ -200,7 +215,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
                            **model_state(r, chosen, kind, muon=kind in ("dist_muon", "muon")))
                     for r in ranks]
         memory[kind] = max(per_rank, key=lambda m: m.total)
-    selected = _selected({**recipe.preset.optimizer, **optimizer})
+    selected = selected_optimizer(recipe, optimizer)
     if iters is None:
         iters = recipe.train_iters(chosen)  # the published token budget at this layout's tokens per step
     kind = "muon" if recipe.preset.kind == "muon" else "adamw"

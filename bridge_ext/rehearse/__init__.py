@@ -132,12 +132,11 @@ def _coordinates(rank: int, world: int) -> Coordinates:
 
 def _planned(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tuple[str, dict[str, int], int]:
     """``nemo llm plan``'s numbers for this rank: (optimizer kind, footprint, NS FLOPs per step)."""
-    from bridge_ext.plan import plan
+    from bridge_ext.plan import pipeline_ranks, selected_optimizer
     from bridge_ext.plan.memory import model_state, ns_flops_on_rank
 
-    planned = plan(recipe, layout=layout.cluster, spec=spec)
-    stage = planned.ranks[where.pp]
-    kind = planned.selected
+    stage = pipeline_ranks(recipe, layout, spec=spec)[where.pp]
+    kind = selected_optimizer(recipe)
     state = model_state(stage, layout, kind, muon=kind in ("dist_muon", "muon"), dp_rank=where.dp,
                         expert_dp_rank=where.expert_dp)
     footprint = {"params": stage.total, "expert_params": stage.expert, **{k: round(v) for k, v in state.items()}}
