@@ -14,7 +14,6 @@ are read ahead by ``threads`` readers; memory is those parameters and the one be
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -75,6 +74,41 @@ def _assemble(chunks: TorchDistChunks, param: Any, pieces: list[Chunk]) -> Any:
     return value
 
 
+class _LazyTask:
+    """A skeleton conversion task whose ``param_weight`` is read from the checkpoint when first asked for; every
+    other attribute is the skeleton task's."""
+
+    def __init__(self, task: Any, load: Callable[[], Any]) -> None:
+        self._task, self._load = task, load
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "param_weight":
+            return getattr(self._task, name)
+        self.param_weight = value = self._load()
+        return value
+
+
+class _LazyTasks:
+    """The conversion tasks in checkpoint order, iterable more than once: megatron-bridge 0.4's
+    ``stream_weights_megatron_to_hf`` walks them first for the grouped-export counts (reading only ``mapping``),
+    then converts. Each pass reads a weight when the conversion asks for it, and the next ``ahead`` with it; a
+    weight is held only while the pass holds its task."""
+
+    def __init__(self, tasks: list[Any], read: Callable[[int], Future], *, ahead: int) -> None:
+        self._tasks, self._read, self._ahead = tasks, read, ahead
+
+    def __iter__(self) -> Iterator[_LazyTask]:
+        reading: dict[int, Future] = {}
+
+        def load(i: int) -> Any:
+            for j in range(i, min(i + self._ahead + 1, len(self._tasks))):
+                if j not in reading:
+                    reading[j] = self._read(j)
+            return reading.pop(i).result()
+
+        return (_LazyTask(task, lambda i=i: load(i)) for i, task in enumerate(self._tasks))
+
+
 def export_streaming_into(
     write: Callable[[str, Any], int],
     *,
@@ -110,18 +144,10 @@ def export_streaming_into(
             def read(owner: tuple[int, str]) -> Future:
                 return pool.submit(_assemble, chunks, skeleton.params[owner], groups[owner])
 
-            def lazy_tasks() -> Iterator[Any]:
-                ahead = max(1, threads)
-                pending = [read(owner) for owner in order[:ahead]]
-                for i, owner in enumerate(order):
-                    value = pending.pop(0).result()
-                    if i + ahead < len(order):
-                        pending.append(read(order[i + ahead]))
-                    yield dataclasses.replace(skeleton.tasks[owner], param_weight=value)
-                    del value
-
+            tasks = _LazyTasks([skeleton.tasks[owner] for owner in order], lambda i: read(order[i]),
+                               ahead=max(1, threads))
             stream = skeleton.model_bridge.stream_weights_megatron_to_hf(
-                skeleton.model, shim, cpu=True, show_progress=False, conversion_tasks=lazy_tasks())
+                skeleton.model, shim, cpu=True, show_progress=False, conversion_tasks=tasks)
             for name, tensor in stream:
                 written = write(name, tensor)
                 tensors += 1

@@ -56,11 +56,16 @@ class Chunk:
 
 
 def plan_chunks(sharded: Iterable[Any], skeleton: Skeleton) -> tuple[dict[tuple[int, str], list[Chunk]], list[Any]]:
-    """Group the main-replica ``ShardedTensor``\\ s of a (factories applied) sharded state dict by the parameter
-    they view; return them and the main-replica ``ShardedObject``\\ s."""
+    """Group the ``ShardedTensor``\\ s of a (factories applied) sharded state dict by the parameter they view, one per
+    (key, offset); return them and the main-replica ``ShardedObject``\\ s.
+
+    Every chunk counts whatever its ``replica_id``: under torchrun each process holds the whole one-process
+    skeleton (a data-parallel replica, main only on rank 0), and the writers split the parameters among
+    themselves."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 
     groups: dict[tuple[int, str], list[Chunk]] = {}
+    seen: dict[tuple[str, tuple[int, ...]], Any] = {}
     objects = []
     for item in sharded:
         if isinstance(item, ShardedObject):
@@ -69,8 +74,6 @@ def plan_chunks(sharded: Iterable[Any], skeleton: Skeleton) -> tuple[dict[tuple[
             continue
         if not isinstance(item, ShardedTensor):
             raise NeedsModel(f"checkpoint entry {getattr(item, 'key', item)!r} is a {type(item).__name__}")
-        if not is_main_replica(item.replica_id):
-            continue
         if item.flattened_range is not None:
             raise NeedsModel(f"{item.key} is stored flattened (a distributed-optimizer layout)")
         data = item.data
@@ -80,6 +83,11 @@ def plan_chunks(sharded: Iterable[Any], skeleton: Skeleton) -> tuple[dict[tuple[
             sizes=(1,) * item.prepend_axis_num + tuple(item.local_shape), dtype=item.dtype,
             view=(tuple(data.shape), tuple(data.stride()), data.storage_offset()),
         )  # fmt: skip
+        if (chunk.key, chunk.offsets) in seen:
+            if seen[(chunk.key, chunk.offsets)] != (owner, chunk.view):
+                raise NeedsModel(f"{chunk.key} at {list(chunk.offsets)} is stored from two different tensors")
+            continue
+        seen[(chunk.key, chunk.offsets)] = (owner, chunk.view)
         groups.setdefault(owner, []).append(chunk)
     return groups, objects
 
@@ -303,7 +311,7 @@ class _FileSlice(io.RawIOBase):
 
 
 class _TensorRecord(pickle.Unpickler):
-    """Reads the ``data.pkl`` of one ``torch.save``\ d tensor without loading anything: the storage it names and
+    """Reads the ``data.pkl`` of one ``torch.save``-d tensor without loading anything: the storage it names and
     ``_rebuild_tensor_v2``'s arguments. Anything else in the pickle (another class, a second storage) raises, and
     the chunk is read by ``torch.load``."""
 
@@ -321,7 +329,7 @@ class _TensorRecord(pickle.Unpickler):
 
 
 def _stored_tensor_range(fd: int, offset: int, length: int, sizes: tuple[int, ...], element: int) -> int | None:
-    """Where, in the file, the data of a ``torch.save``\ d contiguous tensor of ``sizes`` starts -- or None when the
+    """Where, in the file, the data of a ``torch.save``-d contiguous tensor of ``sizes`` starts -- or None when the
     record is anything else (then ``torch.load`` reads it). torch.save writes a zip of ``<name>/data.pkl`` and
     ``<name>/data/<key>`` records, stored uncompressed (``torch/serialization.py``)."""
     with zipfile.ZipFile(io.BufferedReader(_FileSlice(fd, offset, length))) as archive:
