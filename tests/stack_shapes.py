@@ -45,7 +45,10 @@ _NEW = {
     # megatron-bridge 0.5 TokenizerConfig.__post_init__ sets False: Megatron Bridge pads the vocabulary itself
     "tokenizer.pad_vocab_size": False,
 }
-_RENAMED = {"dist.lazy_init": "dist.lazy_mpu_init"}  # megatron-bridge 0.4: lazy_init is a property of the new name
+_RENAMED = {"dist.lazy_init": "dist.lazy_mpu_init",  # megatron-bridge 0.4: lazy_init is a property of the new name
+            # megatron-bridge 0.6's GPTDatasetConfig writes its own field seq_length (finalize() copies it into
+            # megatron-core's sequence_length, which 0.3-0.5 write)
+            "dataset.sequence_length": "dataset.seq_length"}
 # Fields a later release moved -> their new home; the old field stays (deprecated) and wins when it is set
 # (megatron-bridge 0.4 ConfigContainer.validate copies train.<f> into validation.<f> when not None).
 _MOVED = {f"train.{name}": f"validation.{name}" for name in ("eval_interval", "eval_iters", "skip_train")}
@@ -54,6 +57,11 @@ _SAME_MEANING = {  # different values, same run
     # SMs the HybridEP dispatch kernels use (megatron-core 0.16 default 16, 0.17+ None = DeepEP's own): speed only,
     # the same tokens reach the same experts
     "model.moe_hybridep_num_sms": {16, None},
+    # likewise DeepEP's (megatron-core 0.16 default 20; 0.19 None: deprecated for moe_flex_dispatcher_num_sms, the
+    # backend's own count)
+    "model.moe_deepep_num_sms": {20, None},
+    # log verbosity only: megatron-bridge 0.6's None means MEGATRON_LOGGING_LEVEL, else INFO (20, 0.3's default)
+    "logger.logging_level": {20, None},
     # data-loader worker processes (megatron-bridge 0.4's DataloaderConfig defaults 2 / True, 0.3's 8 / False):
     # speed and host memory only, the batches and their order are the sampler's
     "dataset.num_workers": {8, 2}, "dataset.persistent_workers": {False, True},

@@ -37,6 +37,20 @@ class _NoLoRA:
     """Stands for ``megatron.bridge.peft.lora.LoRA``: pre-training configs have no PEFT."""
 
 
+class _Unreached:
+    """Stands for a name only other kinds of run reach (megatron-bridge 0.6: hybrid Mamba layer patterns, vision
+    encoders, packed LoRA data); the GPT pre-training configs the counter gets here never do."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise UpstreamDrift(f"flop_utils reached {self._name}, which a GPT pre-training config never does")
+
+    def __getattr__(self, attribute: str) -> Any:
+        raise UpstreamDrift(f"flop_utils reached {self._name}.{attribute}, which a GPT pre-training config never does")
+
+
 def _module_file(module: str) -> Path:
     """The installed file of ``module`` without importing it (or its packages' ``__init__``)."""
     top, *rest = module.split(".")
@@ -60,6 +74,11 @@ def _functions(module: str, names: tuple[str, ...], namespace: dict[str, Any]) -
     path = _module_file(module)
     tree = ast.parse(path.read_text(), filename=str(path))
     found = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names}
+    # megatron-bridge 0.6's utils/vocab_utils.py re-exports megatron-core 0.19's megatron/training/vocab_utils.py
+    moved = {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.level == 0
+             and {alias.name for alias in node.names if alias.asname is None} >= set(names)}
+    if not found and len(moved) == 1:
+        return _functions(moved.pop(), names, namespace)
     if set(found) != set(names):
         raise UpstreamDrift(f"{package_of(module)}: {module} no longer defines {sorted(set(names) - set(found))}; "
                             "bridge_ext.plan.flops needs updating for this release")
@@ -94,7 +113,10 @@ def flop_counter() -> Callable[[Any, int], float]:
 
     namespace = {"F": SimpleNamespace(silu=SILU), "LoRA": _NoLoRA, "ConfigContainer": object, "Path": Path,
                  "calculate_padded_vocab_size": vocab["calculate_padded_vocab_size"],
-                 "calculate_avg_seqlen": _no_packed_stats, "_lora_seq_stats_cache": {}}
+                 "calculate_avg_seqlen": _no_packed_stats, "_lora_seq_stats_cache": {},
+                 **{name: _Unreached(name) for name in ("Symbols", "get_hybrid_layer_counts", "parse_hybrid_pattern",
+                                                        "vit_flops", "_packed_data_exists",
+                                                        "importlib")}}  # 0.4-0.5: hybrid patterns only
     return _functions(FLOP_UTILS, ("num_floating_point_operations",), namespace)["num_floating_point_operations"]
 
 
