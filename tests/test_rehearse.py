@@ -81,15 +81,16 @@ def test_kimi_k2_last_rank_layer_wise_muon_equals_plan(cpu_mode):
     assert result.measured["main_params"] >= 4 * result.measured["expert_params"]
 
 
+# Minutes each on a loaded 2-core machine (Qwen3-30B-A3B's rank holds 1,536 expert matrices: ~40,000 fake-tensor
+# dispatches to build); its AdamW twin (16 min measured under load) was run by hand: docs/launch.md.
 @pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, layout, ranks, step", [
-    ("qwen3_8b_muon", "h100x8", (0, 4), True),
+    ("qwen3_8b_muon", "h100x8", (4,), True),  # the data-parallel rank the layer-wise optimizer gives the embedding
     ("kimi_k2_muon", "gb300x256", (0,), True),
-    ("kimi_k2_adamw", "gb300x256", (0, 255), False),
+    ("kimi_k2_adamw", "gb300x256", (0,), False),
     ("qwen3_30b_a3b_muon", "gb300x8", (0,), False),
-    ("qwen3_30b_a3b_adamw", "gb300x8", (0,), False),
-    ("qwen3_235b_a22b_muon", "h100x128", (0, 127), False),
+    ("qwen3_235b_a22b_muon", "h100x128", (0,), False),
 ])
 def test_rehearsal_equals_plan(cpu_mode, recipe, layout, ranks, step):
     for result in rehearse(recipe, layout=layout, ranks=ranks, step=step):
