@@ -243,7 +243,8 @@ def export_hf(
     with process_group(cpu), staged_output(target) as staging:
         writer = _ShardWriter(staging, plan, shard_bytes=shard_bytes) if is_rank0() else None
         try:
-            with TensorProgress("export", total=len(plan), enabled=progress and is_rank0()) as bar:
+            with TensorProgress("export", total=len(plan), enabled=progress and is_rank0(),
+                                total_bytes=writer.total_bytes if writer is not None else None) as bar:
 
                 def write(name: str, tensor: Any) -> int:
                     if writer is None:

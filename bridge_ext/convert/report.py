@@ -51,9 +51,10 @@ def human_bytes(n: float) -> str:
 
 
 class TensorProgress:
-    """A rich progress bar over tensors (with bytes), or nothing when disabled / not on rank 0."""
+    """A rich progress bar over tensors (with bytes, rate and, given ``total_bytes``, the time left at the rate so
+    far), or nothing when disabled / not on rank 0."""
 
-    def __init__(self, description: str, *, total: int, enabled: bool):
+    def __init__(self, description: str, *, total: int, enabled: bool, total_bytes: int | None = None):
         self._bar = None
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -68,18 +69,20 @@ class TensorProgress:
                 TextColumn("{task.fields[size]}"),
                 TextColumn("{task.fields[rate]}"),
                 TimeElapsedColumn(),
+                TextColumn("{task.fields[eta]}"),
                 transient=False,
                 console=Console(file=_REAL_STREAMS[1]) if _REAL_STREAMS else None,
             )
         self._description = description
         self._total = total
+        self._total_bytes = total_bytes
         self._bytes = 0
 
     def __enter__(self) -> TensorProgress:
         self._start = time.perf_counter()
         if self._bar is not None:
             self._bar.__enter__()
-            self._task = self._bar.add_task(self._description, total=self._total, size="", rate="")
+            self._task = self._bar.add_task(self._description, total=self._total, size="", rate="", eta="")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -91,8 +94,13 @@ class TensorProgress:
         self._bytes += nbytes
         if self._bar is not None:
             elapsed = max(time.perf_counter() - self._start, 1e-9)
+            rate = self._bytes / elapsed
+            eta = ""
+            if self._total_bytes and rate > 0:
+                left = int(max(self._total_bytes - self._bytes, 0) / rate)
+                eta = f"ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
             self._bar.update(self._task, advance=tensors, size=human_bytes(self._bytes),
-                             rate=f"{human_bytes(self._bytes / elapsed)}/s")  # fmt: skip
+                             rate=f"{human_bytes(rate)}/s", eta=eta)  # fmt: skip
 
 
 # (stdout, stderr) while :func:`quiet_upstream` captures upstream chatter; our own output goes here.

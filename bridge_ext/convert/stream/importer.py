@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ class _Converter:
         self.progress = progress
         self.used: set[str] = set()  # stored tensors read (fused expert tensors count once), fp8 scales included
         self.bytes = 0
+        self._lock = threading.Lock()  # done() runs on the writer threads
         self._claims: dict[tuple[int, str], list[str]] = {}
         seen: set[str] = set()
         for owner, task in skeleton.tasks.items():  # the stored tensors each parameter reads first
@@ -97,6 +99,7 @@ class _Converter:
             self._claims[owner] = [n for n in names if n not in seen]
             seen.update(names)
         self.total = len(seen & set(source.tensors))
+        self.total_bytes = sum(source.tensors[n].nbytes for n in seen & set(source.tensors))
 
     def produce(self, owner: tuple[int, str]) -> Any:
         task = self.skeleton.tasks[owner]
@@ -115,10 +118,11 @@ class _Converter:
     def done(self, owner: tuple[int, str], _: int) -> None:
         claimed = [n for n in self._claims.get(owner, []) if n in self.source.tensors]
         nbytes = sum(self.source.tensors[n].nbytes for n in claimed)
-        self.used.update(claimed)
-        self.bytes += nbytes
-        if self.progress is not None:
-            self.progress.advance(nbytes, tensors=len(claimed))
+        with self._lock:
+            self.used.update(claimed)
+            self.bytes += nbytes
+            if self.progress is not None:
+                self.progress.advance(nbytes, tensors=len(claimed))
 
 
 def _write_hf_source(hf: Path, staging: Path, source: Any) -> None:
@@ -184,7 +188,8 @@ def import_streaming(
             skeleton = build_skeleton(source.config, model_type=source.raw_config.get("model_type"), dtype=dtype,
                                       hf=names, pretrained=pretrained)  # fmt: skip
             converter = _Converter(skeleton, source, reader, progress=None)
-            with TensorProgress("import", total=converter.total, enabled=progress and is_rank0()) as bar:
+            with TensorProgress("import", total=converter.total, enabled=progress and is_rank0(),
+                                total_bytes=converter.total_bytes) as bar:
                 converter.progress = bar
                 strategy = make_strategy(skeleton=skeleton, produce=converter.produce, threads=threads,
                                          done=converter.done)  # fmt: skip
