@@ -1,5 +1,5 @@
-"""Hugging Face safetensors read by byte range (a private memory map of that range per tensor, unmapped with the
-tensor: memory holds only the tensors in flight) and written in place (``os.pwrite`` at planned offsets).
+"""Hugging Face safetensors read by byte range: a private memory map of that range per tensor, unmapped with the
+tensor, so memory holds only the tensors in flight.
 
 Format: 8-byte little-endian header length, a JSON header (dtype, shape, ``data_offsets`` relative to the data
 section), then the data (https://github.com/huggingface/safetensors#format). The directory itself was validated
@@ -20,7 +20,7 @@ from typing import Any
 
 from bridge_ext.convert.hf_dir import SAFETENSORS_DTYPES, HFSource
 
-__all__ = ["HFByteReader", "LazyHFState", "ST_TO_TORCH", "map_range", "read_into", "write_from"]
+__all__ = ["HFByteReader", "LazyHFState", "ST_TO_TORCH", "map_range"]
 
 # safetensors dtype code -> torch dtype name
 ST_TO_TORCH = {
@@ -51,32 +51,6 @@ def map_range(fd: int, offset: int, nbytes: int, dtype: Any, shape: tuple[int, .
                        offset=start)  # fmt: skip
     flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset - start)
     return flat.view(dtype).view(shape)
-
-
-def read_into(fd: int, target: Any, offset: int) -> None:
-    """Fill the contiguous CPU tensor ``target`` with the bytes of ``fd`` at ``offset`` (short reads resumed)."""
-    import torch
-
-    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(f"unexpected end of file reading {len(view)} bytes at {offset}")
-        done += got
-
-
-def write_from(fd: int, tensor: Any, offset: int) -> int:
-    """Write the contiguous CPU tensor ``tensor`` at ``offset`` of ``fd`` (no copy); returns its byte count."""
-    import torch
-
-    if not tensor.numel():
-        return 0
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):  # pwrite may write less than asked
-        done += os.pwrite(fd, view[done:], offset + done)
-    return len(view)
 
 
 class HFByteReader:
