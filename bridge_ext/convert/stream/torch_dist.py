@@ -262,8 +262,12 @@ def _write(directory: Path, groups: dict[tuple[int, str], list[Chunk]], objects:
         pool = [threading.Thread(target=guarded, args=(n,), name=f"torch-dist-writer-{n}") for n in range(count)]
         for thread in pool:
             thread.start()
-        for thread in pool:
-            thread.join()
+        try:
+            for thread in pool:
+                thread.join()
+        except BaseException as exc:  # Ctrl-C / SIGTERM (SystemExit) in this thread: the writers stop at their next
+            errors.append(exc)  # parameter instead of finishing the conversion into a directory being removed
+            raise
         if errors:
             raise errors[0]
     if world > 1:
