@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
         else:
             torch.cuda.reset_peak_memory_stats()
             tensors = contextlib.nullcontext()
-        with tensors:
+        with tensors, contextlib.redirect_stdout(sys.stderr):  # Megatron's prints: stdout is the report's
             model, optimizer = build_rank(cfg, use_cpu_initialization=device == "cpu")
             seconds["build"] = time.perf_counter() - start - seconds["parallel_state"]
             ns_flops = None
