@@ -18,6 +18,7 @@ import json
 import os
 import resource
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -53,6 +54,20 @@ def _group(prefix: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def launch(commands: list[str], cwd: Path, *, timeout: int = 900) -> tuple[list[list[dict]], subprocess.CompletedProcess]:
+    """Runs ``commands`` in one 2-process ``torchrun`` launch from this interpreter's venv; asserts it succeeded and
+    returns each rank's records and the launch's result."""
+    out = cwd / "ranks"
+    out.mkdir(exist_ok=True)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # --standalone: a rendezvous on a free local port (never a fixed 29500), so launches cannot collide
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", os.path.abspath(__file__),
+                             str(out), *commands], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)], result
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def main(plan_path: str) -> int:
@@ -39,6 +42,22 @@ def main(plan_path: str) -> int:
     reset_megatron_globals()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def launch(plan: list[list[str]], cwd: Path, *, nproc: int, timeout: int = 1500) -> str:
+    """Runs ``plan`` (phases of ``nemo llm pretrain`` arguments) in one ``torchrun`` launch of ``nproc`` processes
+    from this interpreter's venv; asserts it succeeded and returns its stdout."""
+    path = cwd / f"plan-{nproc}.json"
+    path.write_text(json.dumps({"phases": plan}))
+    with socket.socket() as s:  # a free port for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), str(path)]
+    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return done.stdout
 
 
 if __name__ == "__main__":

@@ -17,20 +17,15 @@ them under those names; TP2 with gloo's scatter of strided views scrambles row-p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import convert_rank_driver
 import hf_fixtures
 from bridge_ext.convert import export_hf, import_hf
 from bridge_ext.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")  # the venv under test
-DRIVER = REPO / "tests" / "convert_rank_driver.py"
 PROXIES = ("kimi_k2_proxy", "qwen3_moe_proxy")
 CASES = [("kimi_k2_proxy", "ep2"), ("kimi_k2_proxy", "tp2"), ("qwen3_moe_proxy", "pp2"), ("qwen3_moe_proxy", "ep2")]
 FLAGS = {"tp2": "--tp 2", "pp2": "--pp 2", "ep2": "--ep 2"}
@@ -90,14 +85,7 @@ def two_process_runs(root: Path) -> dict:
         commands += [f"llm import --hf {base / 'hf'} --out {base / ('mg_' + layout)} {FLAGS[layout]}",
                      f"llm export --ckpt {base / ('mg_' + layout)} --out {base / ('hf_' + layout)} {FLAGS[layout]}"]
     commands += ["llm " + command.format(**paths) for command, _ in BAD.values()]
-    out = root / "ranks"
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    # --standalone: a rendezvous on a free local port (never a fixed 29500), so launches cannot collide
-    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DRIVER), str(out), *commands],
-                            capture_output=True, text=True, timeout=900, env=env, cwd=root)  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    records, result = convert_rank_driver.launch(commands, root)
     for rank, record in enumerate(records):
         print(f"rank {rank}: " + ", ".join(f"{r['argv'].split()[1]} {r['argv'].split()[-1]} {r['seconds']} s "
                                            f"(peak RSS {r['maxrss_mb']:.0f} MB)" for r in record))  # fmt: skip

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import convert_rank_driver
 import hf_fixtures
+import parallel_driver
 from bridge_ext.convert import export_hf, import_hf
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-DRIVER = REPO / "tests" / "convert_rank_driver.py"
 
 MODELS = {  # name -> (builder, kwargs): the released layout, transformers 5's fused experts, an fp8 release
     "qwen3": (hf_fixtures.qwen3_dir, {}),
@@ -197,14 +194,8 @@ def test_streamed_checkpoints_load_in_tp2_and_ep2_layouts(tmp_path):
                 f"llm export --ckpt {tmp_path / 'mg2'} --out {tmp_path / 'hf_tp2'} --no-stream --tp 2",
                 f"llm export --ckpt {tmp_path / 'mg2'} --out {tmp_path / 'hf_ep2'} --no-stream --ep 2",
                 f"llm export --ckpt {tmp_path / 'mg2'} --out {tmp_path / 'hf_stream'}"]  # fmt: skip
-    out = tmp_path / "ranks"
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DRIVER), str(out), *commands],
-                            capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    for rank in (0, 1):
-        assert [r["rc"] for r in json.loads((out / f"rank{rank}.json").read_text())] == [0] * len(commands)
+    records, _ = convert_rank_driver.launch(commands, tmp_path)
+    assert [[r["rc"] for r in ranks] for ranks in records] == [[0] * len(commands)] * 2
     assert sorted(p.name for p in (tmp_path / "mg2" / "iter_0000000").glob("__*.distcp"))[:2] == [
         "__0_0.distcp", "__0_1.distcp"] and (tmp_path / "mg2" / "iter_0000000" / "__1_0.distcp").exists()
     reference = load_torch_dist(tmp_path / "mg1" / "iter_0000000", tmp_path)
@@ -212,3 +203,51 @@ def test_streamed_checkpoints_load_in_tp2_and_ep2_layouts(tmp_path):
     source = load_safetensors(hf)
     for layout in ("tp2", "ep2", "stream"):
         assert_bit_identical(load_safetensors(tmp_path / f"hf_{layout}"), source, layout)
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_streamed_checkpoint_trains_like_the_model_built_one_in_every_layout(nemo, tmp_path):
+    """The Qwen3-MoE proxy's HF weights imported both ways; two Muon steps from each in 1 process (here) and in
+    cpu-tp2, cpu-pp2 and cpu-ep2 (one 2-process launch): the same losses and the same saved weights and Muon
+    state, bit for bit, layout by layout; and the losses are the source's, not a fresh model's (lr 0 keeps them)."""
+    from recipes.models import HF_CONFIGS
+    from test_parallel_cpu import read_global_tensors
+
+    from bridge_ext.training import read_losses
+
+    raw = json.loads((Path(HF_CONFIGS) / "qwen3_moe_proxy" / "config.json").read_text())
+    hf = hf_fixtures.write_hf_dir(tmp_path / "hf", raw, dtype=raw["torch_dtype"], config_json=raw, seed=7)
+    ckpt = {"stream": tmp_path / "mg_stream", "model": tmp_path / "mg_model"}
+    import_hf(hf, ckpt["stream"], progress=False, console=None)
+    import_hf(hf, ckpt["model"], stream=False, progress=False, console=None)
+
+    def args(layout: str, way: str, *extra: str) -> list[str]:
+        save = tmp_path / f"run-{layout}-{way}"
+        return ["--recipe", "qwen3_moe_proxy_muon", f"layout={layout}", "train.train_iters=2",
+                f"checkpoint.pretrained_checkpoint={ckpt[way]}", f"checkpoint.save={save}",
+                "checkpoint.save_interval=2", "logger.log_interval=1", f"logger.tensorboard_dir={save}/tb",
+                "optimizer.muon_fp32_matmul_prec=highest", *extra]  # fmt: skip
+
+    for way in ckpt:
+        done = nemo(["llm", "pretrain", *args("cpu", way)], cwd=tmp_path)
+        assert done.code == 0, done.stderr[-3000:]
+    assert f"successfully loaded checkpoint from {ckpt['model']}" in done.stdout + done.stderr
+    layouts = ("cpu-tp2", "cpu-pp2", "cpu-ep2")
+    out = parallel_driver.launch([args(layout, way) for layout in layouts for way in ckpt], tmp_path, nproc=2)
+    print(out)
+    fresh = nemo(["llm", "pretrain", *args("cpu", "stream")[:4], "train.train_iters=1",
+                  f"checkpoint.save={tmp_path / 'fresh'}", f"logger.tensorboard_dir={tmp_path / 'fresh'}/tb"],
+                 cwd=tmp_path)  # fmt: skip
+    assert fresh.code == 0, fresh.stderr[-3000:]
+    # control: a fresh model's first loss is another one (the runs above start from the imported weights)
+    assert read_losses(tmp_path / "fresh" / "losses.jsonl")[1] != read_losses(tmp_path / "run-cpu-stream" / "losses.jsonl")[1]
+    for layout in ("cpu", *layouts):
+        runs = {way: tmp_path / f"run-{layout}-{way}" for way in ckpt}
+        losses = {way: read_losses(run / "losses.jsonl") for way, run in runs.items()}
+        assert sorted(losses["stream"]) == [1, 2] and losses["stream"] == losses["model"], (layout, losses)
+        assert losses["stream"][2] != losses["stream"][1]  # it trained
+        got, want = (read_global_tensors(run / "iter_0000002") for run in runs.values())
+        assert any(k.startswith("optimizer.state.momentum_buffer.") for k in want), layout
+        assert_bit_identical(got, want, layout)

@@ -23,20 +23,16 @@ shared module fixture would run once per worker.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from parallel_driver import launch
+
 MOE, DENSE = "qwen3_moe_proxy_muon", "qwen3_proxy_muon"
 ADAMW = "qwen3_proxy_adamw"  # distributed optimizer on (both ddp. and optimizer.) wherever DP > 1
 # AdamW from the dense reference's iteration-1 weights with a fresh optimizer (that checkpoint holds Muon's state)
@@ -49,12 +45,6 @@ TENSOR_TOL = 5e-7  # Muon-stepped weights and momentum; measured <= 9.3e-8
 # Adam-stepped tensors (embedding, output layer, norms): rows whose gradient is float noise (tokens absent
 # from the batch) get m/sqrt(v) of that noise, up to a full lr step; measured <= 5.1e-5 (lr 4e-3..8e-3)
 ADAM_TOL = 2e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pretrain_here(*args: str) -> None:
@@ -76,18 +66,6 @@ def _start(ref: Path, iteration: int, into: Path) -> Path:
     shutil.copytree(ref / name, into / name)
     (into / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return into
-
-
-def _launch(plan: list[list[str]], tmp: Path, nproc: int, timeout: int = 1500) -> str:
-    path = tmp / f"plan-{nproc}.json"
-    path.write_text(json.dumps({"phases": plan}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(ROOT / "tests" / "parallel_driver.py"), str(path)]
-    done = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return done.stdout
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -148,7 +126,7 @@ def _run_everything(tmp: Path) -> dict:
     plan.append(["--recipe", ADAMW, "layout=cpu-dp2", f"checkpoint.load={start[DENSE]}", f"checkpoint.save={adam['dp2']}",
                  f"logger.tensorboard_dir={adam['dp2']}/tb", *EXACT, *ADAMW_RUN])
     t0 = time.time()
-    out = _launch(plan, tmp, nproc=2)
+    out = launch(plan, tmp, nproc=2)
     times[f"{len(plan)} phases in one 2-process launch"] = time.time() - t0
     t0 = time.time()
     # into 1 process: (run dir, recipe, iteration, the checkpoint it resumes)
@@ -230,7 +208,7 @@ def _check_dp2_adamw_with_the_distributed_optimizer_computes_the_one_process_ste
 def _check_four_processes_tp2_ep2_compute_the_one_process_step(runs):
     """cpu-tp2-ep2 (TP2 x DP2, experts EP2, 4 processes): the 1-process loss and update, from its checkpoint."""
     tmp, save = runs["tmp"], runs["tmp"] / "T-2-cpu-tp2-ep2"
-    _launch([["--recipe", MOE, "layout=cpu-tp2-ep2", "train.train_iters=2", f"checkpoint.save={save}",
+    launch([["--recipe", MOE, "layout=cpu-tp2-ep2", "train.train_iters=2", f"checkpoint.save={save}",
               f"checkpoint.load={tmp / f'start-{MOE}'}", f"logger.tensorboard_dir={save}/tb", *EXACT]], tmp, nproc=4)
     assert abs(_losses(save)[2] - _losses(runs["ref"][MOE])[2]) <= LOSS_TOL
     differences = _max_differences(save / "iter_0000002", runs["ref"][MOE] / "iter_0000002")
