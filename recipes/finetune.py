@@ -34,11 +34,11 @@ from typing import Any, Literal
 from recipes import RECIPES, Recipe
 from recipes.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
-from recipes.models import MODELS
+from recipes.models import MODELS, RELEASES
 from recipes.optimizers import KIMI_K2, MOONLIGHT, MOONLIGHT_16B, OptimizerPreset, adamw_twin, derive
 
 __all__ = ["ALL_RECIPES", "FINETUNE_PRESETS", "FINETUNE_RECIPES", "FinetuneRecipe", "LORA_DEFAULTS", "Mode",
-           "get_any_recipe", "get_finetune_recipe"]
+           "get_any_recipe", "get_finetune_recipe", "get_full_recipe"]
 
 Mode = Literal["sft", "lora"]
 
@@ -144,11 +144,13 @@ _WHY = {
 
 def _compose() -> dict[str, FinetuneRecipe]:
     out = {}
-    for model_name, model in MODELS.items():
+    # Released checkpoints (RELEASES) fine-tune exactly as their base model: its layouts, presets and base recipe.
+    for model_name, model in {**MODELS, **RELEASES}.items():
         proxy = model.proxy_of is not None
-        layouts = LAYOUTS[model_name] if proxy else {k: _finetune_layout(v) for k, v in LAYOUTS[model_name].items()}
+        arch_name = model.release_of or model_name
+        layouts = LAYOUTS[arch_name] if proxy else {k: _finetune_layout(v) for k, v in LAYOUTS[arch_name].items()}
         for mode in ("sft", "lora"):
-            base = RECIPES[f"{model_name}_muon"].preset  # the pre-training recipe's Muon preset
+            base = RECIPES[f"{arch_name}_muon"].preset  # the pre-training recipe's Muon preset
             muon = FINETUNE_PRESETS[f"{base.name}_{mode}"]
             for kind, preset, twin in (("muon", muon, "adamw"), ("adamw", FINETUNE_PRESETS[f"{muon.name}_adamw"],
                                                                   "muon")):
@@ -158,7 +160,7 @@ def _compose() -> dict[str, FinetuneRecipe]:
                 out[name] = FinetuneRecipe(
                     name=name, model=model, preset=preset, layouts=layouts, twin=f"{model_name}_{mode}_{twin}",
                     overrides=overrides, why=_PROXY_WHY if proxy else "", mode=mode,
-                    base=f"{model_name}_{kind}", lora=LORA_DEFAULTS if mode == "lora" else {},
+                    base=f"{arch_name}_{kind}", lora=LORA_DEFAULTS if mode == "lora" else {},
                     preset_why=_WHY[base.name] if kind == "muon" else f"the A/B twin of {model_name}_{mode}_muon",
                 )
     return out
@@ -185,3 +187,15 @@ def get_any_recipe(name: str) -> Recipe:
     if name not in ALL_RECIPES:
         raise UserError(f"unknown recipe '{name}'{closest(name, ALL_RECIPES)}; `nemo llm recipes` lists them")
     return ALL_RECIPES[name]
+
+
+def get_full_recipe(name: str) -> Recipe:
+    """A recipe that trains every parameter (pre-training or full SFT), what ``plan`` and ``muon-plan`` model.
+
+    A LoRA recipe trains only its adapters on a frozen model: a ``UserError`` naming its SFT twin (the upper bound)."""
+    recipe = get_any_recipe(name)
+    if getattr(recipe, "mode", None) == "lora":
+        sft = name.replace("_lora_", "_sft_", 1)
+        raise UserError(f"{name} trains LoRA adapters on a frozen model, which plan and muon-plan do not model; "
+                        f"{sft} (full SFT, same model and layout) is its upper bound")
+    return recipe

@@ -1,6 +1,9 @@
 """Model specs: a shipped Hugging Face ``config.json`` per model, never a hub id.
 
 Adding a model: drop its ``config.json`` into ``recipes/hf_configs/<name>/`` and add one ``ModelSpec``.
+A released post-trained checkpoint of a shipped model (instruct, reasoning, a later release of the same
+architecture) is a ``RELEASES`` entry instead: its own config.json (context length, RoPE, quantization), its
+base model's layouts, fine-tuning recipes only (``recipes.finetune``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Literal
 from recipes.architecture import Architecture
 from recipes.params import ParamCount, count_params
 
-__all__ = ["HF_CONFIGS", "MODELS", "ModelSpec"]
+__all__ = ["HF_CONFIGS", "MODELS", "RELEASES", "ModelSpec"]
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 
@@ -39,6 +42,8 @@ class ModelSpec:
     # library's initializer_range 0.02), and where they come from.
     provider: Mapping[str, Any] = field(default_factory=dict)
     provider_source: str = ""
+    # A RELEASES entry: the MODELS spec of the same architecture (layouts, pre-training recipes, run recognition).
+    release_of: str | None = None
 
     @property
     def config_dir(self) -> Path:
@@ -130,5 +135,31 @@ MODELS: dict[str, ModelSpec] = {
                 ("qwen3_moe_proxy", "qwen3_moe", "Qwen3-MoE proxy", "qwen3_moe"),
             )
         ),
+    )
+}
+
+
+def _release(name: str, display: str, hf_id: str, of: str, source: str) -> ModelSpec:
+    base = MODELS[of]
+    return ModelSpec(name=name, display=display, family=base.family, hf_id=hf_id,
+                     published_params_b=base.published_params_b, source=source, provider=base.provider,
+                     provider_source=base.provider_source, release_of=of)
+
+
+# The checkpoints users fine-tune: the same architectures as MODELS, their own config.json (the keys that differ
+# and where each value comes from: recipes/hf_configs/<name>/README.md). Not in MODELS: a release is not
+# pre-trained here, and a run of one is told from its base by its config, not by its sizes.
+RELEASES: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _release("kimi_k2_instruct_0905", "Kimi-K2-Instruct-0905", "moonshotai/Kimi-K2-Instruct-0905", "kimi_k2",
+                 "Kimi K2 model card (256K context, YaRN factor 64); fp8 release"),
+        _release("kimi_k2_thinking", "Kimi-K2-Thinking", "moonshotai/Kimi-K2-Thinking", "kimi_k2",
+                 "Kimi K2 Thinking model card (256K context); int4 routed experts (compressed-tensors)"),
+        *(_release(f"{base}_{kind.lower()}_2507", f"{display}-{kind}-2507", f"Qwen/{display}-{kind}-2507", base,
+                   f"{display}-{kind}-2507 model card (262,144 tokens natively)")
+          for base, display in (("qwen3_4b", "Qwen3-4B"), ("qwen3_30b_a3b", "Qwen3-30B-A3B"),
+                                ("qwen3_235b_a22b", "Qwen3-235B-A22B"))
+          for kind in ("Instruct", "Thinking")),
     )
 }

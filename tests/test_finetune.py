@@ -35,9 +35,9 @@ def write_jsonl(path: Path, rows: list) -> Path:
 @pytest.mark.once
 def test_every_model_has_sft_and_lora_recipes_with_adamw_twins():
     from recipes.finetune import FINETUNE_RECIPES
-    from recipes.models import MODELS
+    from recipes.models import MODELS, RELEASES
 
-    assert len(FINETUNE_RECIPES) == 4 * len(MODELS)
+    assert len(FINETUNE_RECIPES) == 4 * (len(MODELS) + len(RELEASES))  # releases: tests/test_release_variants.py
     for model in MODELS:
         for mode in ("sft", "lora"):
             muon, adamw = FINETUNE_RECIPES[f"{model}_{mode}_muon"], FINETUNE_RECIPES[f"{model}_{mode}_adamw"]

@@ -25,13 +25,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([recipe_info(recipe, None) for recipe, _ in rows], indent=2))
         return 0
-    header = (f"{'recipe':<27} {'model':<17} {'task':<8} {'optimizer':<20} {'default layout':<52} other layouts")
+    wide, model_w = max(len(r.name) for r, _ in rows), max(len(r.model.display) for r, _ in rows)  # longest names
+    header = (f"{'recipe':<{wide}} {'model':<{model_w}} {'task':<8} {'optimizer':<20} {'default layout':<52} "
+              "other layouts")
     print(header)
     for recipe, layout in rows:
         p = layout.parallelism()
         shape = f"{layout.cluster}: TP{p['tp']} PP{p['pp']}" + (f" VP{p['vp']}" if p["vp"] else "")
         shape += (f" EP{p['ep']}" if p["ep"] > 1 else "") + f" DP{p['dp']} GBS{layout.global_batch_size}"
         others = ", ".join(name for name in recipe.layouts if name != recipe.default_layout) or "-"
-        print(f"{recipe.name:<27} {recipe.model.display:<17} {task(recipe):<8} {recipe.preset.name:<20} "
+        print(f"{recipe.name:<{wide}} {recipe.model.display:<{model_w}} {task(recipe):<8} {recipe.preset.name:<20} "
               f"{shape:<52} {others}")
     return 0

@@ -235,9 +235,9 @@ def _attention_flops_per_token(arch: Architecture, seq: int) -> int:
 
 def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
     """The routing manifest of a recipe's model on a layout, from its shipped HF config (no torch)."""
-    from recipes import get_recipe
+    from recipes.finetune import get_full_recipe  # pre-training and full SFT
 
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    recipe = get_full_recipe(recipe) if isinstance(recipe, str) else recipe
     chosen = recipe.layout(layout)
     arch, preset = recipe.model.architecture, recipe.preset
     opt = preset.optimizer

@@ -188,9 +188,9 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     ``spec``: the layer spec the ranks build: ``te`` (GPUs) or ``local`` (CPU); default by the layout's name."""
     from bridge_ext.muon import muon_plan
     from bridge_ext.plan.flops import model_flops_per_step
-    from recipes import get_recipe
+    from recipes.finetune import get_full_recipe  # pre-training and full SFT
 
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    recipe = get_full_recipe(recipe) if isinstance(recipe, str) else recipe
     if preset:
         recipe = recipe.with_preset(preset)
     chosen, recompute, optimizer, iters = _apply_overrides(recipe.layout(layout), list(overrides))
