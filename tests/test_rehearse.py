@@ -9,6 +9,10 @@ Newton-Schulz FLOPs one ``optimizer.step()`` runs on the rank (torch's FlopCount
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ from bridge_ext.errors import UserError
 from bridge_ext.rehearse import rehearse, select_ranks
 
 MEMORY = ("weights", "grads", "main_params", "optimizer_state")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(result: dict, *, step: bool) -> None:
@@ -85,22 +90,114 @@ def test_kimi_k2_last_rank_layer_wise_muon_equals_plan(nemo, cpu_mode):
     assert (where["rank"], where["pp"], where["ep"], where["dp"], where["dp_size"], where["expert_dp_size"]) == (
         255, 3, 63, 63, 64, 1)
     assert result["optimizer"].startswith("LayerWiseDistributedOptimizer[")
+    assert (result["measured"]["params"], result["measured"]["expert_params"]) == HAND["kimi_k2", 255]
     _check(result, step=True)
     # every routed expert of the rank is Muon's and its own (expert DP 1): fp32 main + momentum for all of them
     assert result["measured"]["main_params"] >= 4 * result["measured"]["expert_params"]
 
 
+# Parameters per rank by hand, from each model's config.json and its layout (TP, the pipeline layout's stages,
+# EP), local layer spec; (all, routed experts). Independent of plan and of Megatron.
+def _kimi_k2_counts() -> dict[int, tuple[int, int]]:
+    """Kimi K2 gb300x256: TP1, PP4 x VP4 over "Etttt|(tttt|)*14,tL" (rank 0 holds virtual stages 0, 4, 8, 12:
+    the embedding and 16 layers, the first dense; rank 255 stages 3, 7, 11, 15: 13 MoE layers, the final norm
+    and the output layer), EP64: 384 / 64 = 6 routed experts per layer."""
+    h, vocab, heads = 7168, 163840, 64
+    # MLA: q down 7168->1536, q norm, q up 1536->64 x (128 + 64), kv down 7168->512 + 64, kv norm,
+    # kv up 512->64 x (128 + 128), out 64 x 128->7168; input and pre-MLP norms
+    attention = (h * 1536 + 1536 + 1536 * heads * 192 + h * 576 + 512 + 512 * heads * 256 + heads * 128 * h + 2 * h)
+    experts = 6 * 3 * 2048 * h
+    moe_layer = attention + 384 * h + 3 * 2048 * h + experts  # router, one shared expert, 6 routed experts
+    dense_layer = attention + 3 * 18432 * h
+    return {0: (vocab * h + dense_layer + 15 * moe_layer, 15 * experts),
+            255: (13 * moe_layer + h + vocab * h, 13 * experts)}
+
+
+def _qwen3_moe_counts(h: int, heads: int, kv: int, experts: int, ffn: int, layers: int, tp: int,
+                      edges: int) -> tuple[int, int]:
+    """A Qwen3-MoE rank: ``layers`` layers of QKV and out over TP, q/k norms, 2 norms, the router (replicated)
+    and ``experts`` routed experts (ETP1); ``edges``: embedding / output / final norm on the rank."""
+    expert_params = layers * experts * 3 * ffn * h
+    layer = ((heads + 2 * kv) * 128 * h + heads * 128 * h) // tp + 2 * 128 + 2 * h + 128 * h
+    return layers * layer + expert_params + edges, expert_params
+
+
+HAND = {
+    ("kimi_k2", 0): _kimi_k2_counts()[0],  # 7,854,489,600
+    ("kimi_k2", 255): _kimi_k2_counts()[255],  # 6,532,652,032
+    # Qwen3-30B-A3B gb300x8: TP1 PP1 EP8 (16 of 128 experts), 48 layers, embedding + output + final norm
+    ("qwen3_30b_a3b", 0): _qwen3_moe_counts(2048, 32, 4, 16, 768, 48, 1, 2 * 151936 * 2048 + 2048),
+    # Qwen3-235B-A22B h100x128: TP2 PP8 EP16 (8 of 128 experts) over "Et*11|(t*12|)*6,t*11L": rank 0 holds the
+    # embedding (over TP) and 11 layers
+    ("qwen3_235b_a22b", 0): _qwen3_moe_counts(4096, 64, 4, 8, 1536, 11, 2, 151936 * 4096 // 2),
+    ("qwen3_8b", 0): (2_047_915_008, 0),  # test_qwen3_8b_tp4_rank0_distributed_adamw_equals_plan
+    ("qwen3_8b", 4): (2_047_915_008, 0),  # DP rank 1 holds the same parameters
+}
+
+
+@pytest.mark.once
+def test_hand_counts_written_out():
+    """The hand counts above as numbers (the rehearsal tables in docs/launch.md); Qwen3-30B-A3B's rank with the
+    other 7 ranks' experts is the whole model."""
+    assert HAND["kimi_k2", 0] == (7_854_489_600, 3_963_617_280)
+    assert HAND["kimi_k2", 255] == (6_532_652_032, 3_435_134_976)
+    assert HAND["qwen3_30b_a3b", 0][0] == 5_164_972_032
+    # x EP8 experts: Qwen3-30B-A3B's 30,532,122,624 parameters (config.json's sizes summed)
+    assert HAND["qwen3_30b_a3b", 0][0] + 7 * HAND["qwen3_30b_a3b", 0][1] == 30_532_122_624
+    assert HAND["qwen3_235b_a22b", 0][0] == 2_370_136_832
+
+
 # Minutes each on a loaded 2-core machine (Qwen3-30B-A3B's rank holds 1,536 expert matrices: ~40,000 fake-tensor
-# dispatches to build); its AdamW twin (16 min measured under load) was run by hand: docs/launch.md.
+# dispatches to build; its AdamW twin took 16 min under load). Every model of the issue at rank 0 (Kimi K2 also
+# rank 255) with Muon and with the AdamW twin; the lighter cases (Qwen3-8B AdamW rank 0, Kimi K2 Muon rank 255)
+# are the tests above.
 @pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, layout, ranks, step", [
+    ("qwen3_8b_muon", "h100x8", (0,), True),
     ("qwen3_8b_muon", "h100x8", (4,), True),  # the data-parallel rank the layer-wise optimizer gives the embedding
     ("kimi_k2_muon", "gb300x256", (0,), True),
-    ("kimi_k2_adamw", "gb300x256", (0,), False),
+    ("kimi_k2_adamw", "gb300x256", (0, 255), False),
     ("qwen3_30b_a3b_muon", "gb300x8", (0,), False),
+    ("qwen3_30b_a3b_adamw", "gb300x8", (0,), False),
     ("qwen3_235b_a22b_muon", "h100x128", (0,), False),
+    ("qwen3_235b_a22b_adamw", "h100x128", (0,), False),
 ])
 def test_rehearsal_equals_plan(cpu_mode, recipe, layout, ranks, step):
+    model = recipe.rsplit("_", 1)[0]
     for result in rehearse(recipe, layout=layout, ranks=ranks, step=step):
-        _check(result.to_json(), step=step)
+        result = result.to_json()
+        params, experts = HAND[model, result["coordinates"]["rank"]]
+        assert (result["measured"]["params"], result["measured"]["expert_params"]) == (params, experts)
+        _check(result, step=step)
+
+
+# The proxies at 2-process layouts: EP2 (dense DP2, expert DP1; the layer-wise Muon deals the dense matrices over
+# 2 ranks, the distributed optimizer shards AdamW's), and PP2 with the Kimi K2 proxy's uneven stages.
+GLOO_CASES = ["qwen3_moe_proxy_muon:cpu-ep2", "qwen3_moe_proxy_adamw:cpu-ep2", "kimi_k2_proxy_muon:cpu-pp2"]
+
+
+@pytest.mark.stack
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_proxies_rehearsal_equals_a_real_two_process_gloo_run(tmp_path, cpu_mode):
+    """One real iteration of ``nemo llm pretrain``'s path on 2 gloo processes (tests/rehearse_rank_driver.py,
+    counting the live objects after the step) against the rehearsal of ranks 0 and 1 on fake tensors: every
+    count equal, byte for byte (Adam's step counters included)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "tests" / "rehearse_rank_driver.py"), str(tmp_path), *GLOO_CASES],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    real = {(r["recipe"], r["layout"], r["rank"]): r
+            for rank in (0, 1) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())}
+    assert len(real) == 2 * len(GLOO_CASES)
+    for case in GLOO_CASES:
+        recipe, layout = case.split(":")
+        for rehearsed in rehearse(recipe, layout=layout, ranks=(0, 1), step=True):
+            measured, rank = rehearsed.measured, rehearsed.coordinates.rank
+            counted = real[recipe, layout, rank]
+            for key in ("params", "expert_params", "grads", "main_params", "optimizer_state"):
+                assert measured[key] == counted[key], (case, rank, key, measured[key], counted[key])
+            assert measured["optimizer_state"] > 0, (case, rank)
