@@ -19,7 +19,7 @@ import torch
 from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
 from bridge_ext.errors import UserError
-from bridge_ext.stack import common_state_inside_checkpoint
+from bridge_ext.stack import common_state_inside_checkpoint, module_source
 from tests.nemo_cli import start_nemo
 
 pytestmark = pytest.mark.stack  # torch's checkpoint writer and Megatron Bridge's save: .ci/run runs these on every stack
@@ -251,7 +251,8 @@ def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path):
     log = straight.stdout + straight.stderr
     assert straight.code == 0, log[-3000:]
     assert "on SIGTERM: finishes the current iteration, saves a checkpoint to" in log
-    assert f"iteration {ITERS} is already saved in" in log  # pretrain()'s second save skipped
+    # pretrain()'s second save of the step the loop saved: skipped, where the installed pretrain() makes one
+    assert (f"iteration {ITERS} is already saved in" in log) == _pretrain_saves_after_the_loop()
     reference = dict(losses(tmp_path / "straight" / "losses.jsonl"))
     assert sorted(reference) == list(range(1, ITERS + 1))
 
@@ -293,6 +294,17 @@ def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path):
     assert sorted(checkpoints.iterations(tmp_path / "straight")) == [8, 10]
     timings.append(("fallback run to the end", last["seconds"]))
     print("\n".join(f"{seconds:6.1f} s  {what}" for what, seconds in timings))
+
+
+def _pretrain_saves_after_the_loop() -> bool:
+    """Whether the installed ``pretrain()`` saves once more after ``train()`` returns: megatron-bridge 0.3's
+    pretrain.py does, also for the step the loop's interval just saved; 0.4+ saves a last step only in train.py,
+    where the interval did not."""
+    import ast
+
+    tree = ast.parse(module_source("megatron.bridge.training.pretrain"))
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", None) == "save_checkpoint"
+               for node in ast.walk(tree))
 
 
 def check_export(nemo, run: Path, tmp_path: Path) -> None:
