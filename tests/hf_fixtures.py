@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,9 @@ __all__ = [
     "KIMI_K2_TINY_SIZES",
     "kimi_k2_dir",
     "kimi_k2_fp8_dir",
+    "kimi_k2_thinking_int4_dir",
+    "int4_representable",
+    "pack_int4",
     "quantize_fp8",
     "qwen3_dir",
     "qwen3_moe_dir",
@@ -343,6 +347,103 @@ def kimi_k2_fp8_dir(
             else:
                 converted[name] = tensor
         save_file(converted, file, metadata={"format": "pt"})
+    if index is not None:
+        index_file.write_text(json.dumps(index, indent=2))
+    return out
+
+
+# Kimi-K2-Thinking's released quantization_config (recipes/hf_configs/kimi_k2_thinking/README.md): int4 routed experts.
+KIMI_K2_THINKING_CONFIG = REPO / "recipes" / "hf_configs" / "kimi_k2_thinking" / "config.json"
+_ROUTED_EXPERT = re.compile(r"^.+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def pack_int4(q, *, nibble_order: Literal["low_first", "high_first"] = "low_first"):
+    """int8 values in -8..7 [rows, cols] -> int32 [rows, ceil(cols / 8)], as compressed-tensors' ``pack_to_int32``
+    describes it (``compressors/quantized_compressors/pack_quantized.py``): shift to unsigned (+8), pad the row to
+    a multiple of 8, and put value ``i`` of each group of 8 in bits ``4 i`` up ("[129, 130, 0, 0] -> 00000000
+    00000000 10000010 10000001": the first value in the lowest bits). ``high_first`` is the wrong order (a negative
+    control)."""
+    import numpy as np
+    import torch
+
+    rows, cols = q.shape
+    words = -(-cols // 8)
+    unsigned = np.zeros((rows, words * 8), dtype=np.uint32)
+    unsigned[:, :cols] = (q.to(torch.int16) + 8).numpy().astype(np.uint32)
+    packed = np.zeros((rows, words), dtype=np.uint32)
+    for i in range(8):
+        shift = 4 * i if nibble_order == "low_first" else 4 * (7 - i)
+        packed |= unsigned[:, i::8] << shift
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+def int4_representable(weight, group_size: int, generator):
+    """(bf16 weight that int4 with power-of-two group scales holds exactly, int8 values, bf16 scales).
+
+    Each group's scale is a power of two near max|w| / 7, so ``q * scale`` (|q| <= 8) is exact in bf16: the format
+    is lossless for these values and the dequantized matrix must equal the bf16 one bit for bit."""
+    import torch
+
+    rows, cols = weight.shape
+    groups = -(-cols // group_size)
+    w = weight.to(torch.float32)
+    padded = torch.zeros(rows, groups * group_size)
+    padded[:, :cols] = w
+    amax = padded.view(rows, groups, group_size).abs().amax(-1).clamp(min=1e-6)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 7)))  # [rows, groups]
+    per_column = scale.repeat_interleave(group_size, 1)[:, :cols]
+    q = torch.clamp(torch.round(w / per_column), -8, 7) + 0.0  # int4 has no -0: the bf16 twin holds +0 too
+    # one value per row at the extremes, so every nibble value's packing is exercised
+    q[:, 0], q[:, -1] = -8, 7
+    return (q * per_column).to(torch.bfloat16), q.to(torch.int8), scale.to(torch.bfloat16)
+
+
+def kimi_k2_thinking_int4_dir(
+    out: str | Path, *, seed: int = 0, group_size: int = 32, shard_bytes: int | None = None,
+    stated_group_size: int | None = None, nibble_order: Literal["low_first", "high_first"] = "low_first",
+    reference: str | Path | None = None,
+) -> Path:
+    """A Kimi-K2-Thinking-shaped checkpoint stored as the release is: routed experts in compressed-tensors
+    ``pack-quantized`` int4 (``weight_packed`` / ``weight_scale`` per ``group_size`` input columns /
+    ``weight_shape``), the rest bf16; config.json is the tiny Kimi K2 one with the release's
+    ``quantization_config`` (``stated_group_size`` overrides the group size it states: a negative control).
+
+    ``reference``: where to also write the same model unquantized (bf16, the values int4 holds exactly).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    kimi_k2_dir(out, seed=seed, dtype="bfloat16", shard_bytes=shard_bytes)
+    raw = json.loads((out / "config.json").read_text())
+    quant = json.loads(KIMI_K2_THINKING_CONFIG.read_text())["quantization_config"]
+    quant["config_groups"]["group_0"]["weights"]["group_size"] = stated_group_size or group_size
+    generator = torch.Generator().manual_seed(seed)
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    if reference is not None:
+        shutil.copytree(out, reference)
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(file)
+        plain, packed = dict(tensors), {}
+        for name, tensor in tensors.items():
+            if _ROUTED_EXPERT.match(name):
+                exact, q, scale = int4_representable(tensor, group_size, generator)
+                plain[name] = exact
+                module = name[: -len(".weight")]
+                packed[f"{module}.weight_packed"] = pack_int4(q, nibble_order=nibble_order)
+                packed[f"{module}.weight_scale"] = scale
+                packed[f"{module}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int32)
+                if index is not None:
+                    del index["weight_map"][name]
+                    index["weight_map"].update({k: file.name for k in packed if k.startswith(f"{module}.")})
+            else:
+                packed[name] = tensor
+        save_file(packed, file, metadata={"format": "pt"})
+        if reference is not None:
+            save_file(plain, Path(reference) / file.name, metadata={"format": "pt"})
+    raw["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     if index is not None:
         index_file.write_text(json.dumps(index, indent=2))
     return out

@@ -19,6 +19,8 @@ from bridge_ext.convert.expert_layout import (
     per_expert_shapes,
     per_expert_views,
 )
+from bridge_ext.convert.int4 import COMPANIONS as INT4_COMPANIONS
+from bridge_ext.convert.int4 import Int4Scheme, int4_scheme, int4_weights
 from bridge_ext.errors import UserError
 from recipes.architecture import Architecture
 from recipes.families import FAMILIES, ModelFamily, families_of_architecture, family
@@ -87,15 +89,35 @@ class HFSource:
     expert_layout: ExpertLayout = "none"  # routed experts stored per expert or fused (bridge_ext.convert.expert_layout)
     # Per-expert name -> its place in a fused tensor (fused checkpoints only): what conversion reads.
     expert_views: dict[str, ExpertSlice] = field(default_factory=dict)
+    # compressed-tensors int4 (bridge_ext.convert.int4): ``X.weight`` -> its unpacked shape, read dequantized from
+    # ``X.weight_packed`` / ``weight_scale`` / ``weight_shape``
+    int4: Int4Scheme | None = None
+    int4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
 
     def stored_name(self, name: str) -> str:
-        """The tensor on disk that holds ``name`` (a per-expert name of a fused checkpoint: the fused tensor)."""
+        """The tensor on disk that holds ``name`` (a per-expert name of a fused checkpoint: the fused tensor; an int4
+        weight: its packed values)."""
         view = self.expert_views.get(name)
+        if name in self.int4_weights:
+            return f"{name}_packed"
         return view.fused if view is not None else name
+
+    def companions(self, stored: str) -> list[str]:
+        """The other stored tensors read with ``stored``: fp8 block scales, int4 scales and shape."""
+        if stored.endswith(".weight_packed"):
+            module = stored[: -len(".weight_packed")]
+            return [f"{module}.weight_scale", f"{module}.weight_shape"]
+        return [f"{stored}_scale_inv"] if f"{stored}_scale_inv" in self.tensors else []
+
+    def readable(self) -> list[str]:
+        """The names conversion reads: stored tensors, per-expert views of fused ones, dequantized int4 weights."""
+        hidden = {view.fused for view in self.expert_views.values()}
+        hidden |= {f"{w}_{part.removeprefix('weight_')}" for w in self.int4_weights for part in INT4_COMPANIONS}
+        return [n for n in self.tensors if n not in hidden] + list(self.expert_views) + list(self.int4_weights)
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
@@ -271,32 +293,42 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     quant = raw.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8"
     declared = raw.get("torch_dtype") or raw.get("dtype")
-    dtype = _check_dtypes(path, tensors, declared=declared, fp8=fp8)
+    int4 = int4_scheme(quant, where=config_file)
+    expected = expected_hf_tensors(config) if check_tensors else None
+    int4_shapes = {} if int4 is None else int4_weights(
+        {k: v.shape for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()}, int4,
+        expected=expected, where=path)  # fmt: skip
+    # int4's packed tensors stand for float weights: checked (above) and sized as those
+    packed = {f"{w}_{part.removeprefix('weight_')}" for w in int4_shapes for part in INT4_COMPANIONS}
+    as_float = {k: v for k, v in tensors.items() if k not in packed}
+    for name, shape in int4_shapes.items():
+        as_float[name] = TensorInfo(file=tensors[f"{name}_packed"].file, dtype=TORCH_TO_ST.get(
+            str(declared or "bfloat16").replace("torch.", ""), "BF16"), shape=shape, nbytes=0)
+    dtype = _check_dtypes(path, as_float, declared=declared, fp8=fp8)
 
     try:
-        layout = expert_layout(tensors)
+        layout = expert_layout(as_float)
     except ValueError as exc:
         raise UserError(f"{path} {exc}; convert it from one consistent checkpoint") from None
     views = per_expert_views({k: v.shape for k, v in tensors.items()}) if layout == "fused" else {}
-    if check_tensors:
-        expected = expected_hf_tensors(config)
+    if expected is not None:
         if layout == "fused":  # saved by transformers 5 with save_original_format=False
             expected = fused_shapes(expected)
-        missing = [k for k in expected if k not in tensors]
+        missing = [k for k in expected if k not in as_float]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise UserError(f"{path}: tensor {missing[0]}{more} is missing for {architecture}; is a shard incomplete?")
         for key, shape in expected.items():
-            if tensors[key].shape != shape:
+            if as_float[key].shape != shape:
                 raise UserError(
-                    f"{path}: tensor {key} has shape {list(tensors[key].shape)}, config.json implies {list(shape)}"
+                    f"{path}: tensor {key} has shape {list(as_float[key].shape)}, config.json implies {list(shape)}"
                 )
     block = tuple(quant.get("weight_block_size") or (128, 128))
     if fp8 and (len(block) != 2 or quant.get("fmt", "e4m3") != "e4m3"):
         raise UserError(f"{config_file}: only e4m3 fp8 with 2-D weight_block_size is supported, got {quant}")
     return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, family=model_family,
                     tensors=tensors, files=files, dtype=dtype, fp8=fp8, fp8_block=block, expert_layout=layout,
-                    expert_views=views)  # fmt: skip
+                    expert_views=views, int4=int4, int4_weights=int4_shapes)  # fmt: skip
 
 
 def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str | None, fp8: bool) -> str:

@@ -6,6 +6,7 @@ from typing import Any
 
 from bridge_ext.convert.fp8 import dequantize_fp8
 from bridge_ext.convert.hf_dir import HFSource
+from bridge_ext.convert.int4 import read_int4
 
 __all__ = ["HFTensorReader", "per_expert_state"]
 
@@ -24,13 +25,13 @@ class _Names(list):
 class HFTensorReader:
     """Tensors of ``source`` by stored name or, for fused checkpoints, by per-expert name (one expert's rows
     are read from the fused tensor, never the whole of it). ``dequantize``: fp8 weights with block scales come
-    back as bf16 (:func:`~bridge_ext.convert.fp8.dequantize_fp8`)."""
+    back as bf16 (:func:`~bridge_ext.convert.fp8.dequantize_fp8`); int4 weights always come back dequantized
+(:mod:`~bridge_ext.convert.int4`)."""
 
     def __init__(self, source: HFSource, *, dequantize: bool = False):
         self.source = source
         self.dequantize = dequantize and source.fp8
-        fused = {view.fused for view in source.expert_views.values()}
-        self._names = _Names([n for n in source.tensors if n not in fused] + list(source.expert_views))
+        self._names = _Names(source.readable())
         self._handles: dict[str, Any] = {}
 
     def names(self) -> list[str]:
@@ -48,6 +49,8 @@ class HFTensorReader:
 
     def read(self, name: str) -> Any:
         """The tensor ``name``; KeyError when the checkpoint has no such tensor."""
+        import torch
+
         view = self.source.expert_views.get(name)
         if view is not None:
             part = self._handle(self.source.tensors[view.fused].file).get_slice(view.fused)
@@ -55,12 +58,17 @@ class HFTensorReader:
             return part[view.expert : view.expert + 1, rows[0] : rows[1]][0].contiguous()
         if name not in self._names:
             raise KeyError(name)
-        tensor = self._handle(self.source.tensors[name].file).get_tensor(name)
+        if name in self.source.int4_weights:  # dequantized always: no int4 tensor goes on under a weight's name
+            return read_int4(name, self._stored, self.source.int4, getattr(torch, self.source.dtype))
+        tensor = self._stored(name)
         scale = self.source.tensors.get(f"{name}_scale_inv")
         if self.dequantize and scale is not None and tensor.element_size() == 1:
             scale_inv = self._handle(scale.file).get_tensor(f"{name}_scale_inv")
             tensor = dequantize_fp8(tensor, scale_inv, self.source.fp8_block)
         return tensor
+
+    def _stored(self, name: str) -> Any:
+        return self._handle(self.source.tensors[name].file).get_tensor(name)
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles close when released

@@ -67,7 +67,7 @@ def _load_hf_into_megatron(
             converted = task.mapping.hf_to_megatron(hf_weights, task.megatron_module)
             names = list(dict.fromkeys(source.stored_name(n) for n in _hf_names(task.mapping.hf_param)))
             fresh = [n for n in names if n not in seen]
-            names += [f"{n}_scale_inv" for n in names if f"{n}_scale_inv" in source.tensors]  # fp8 block scales
+            names += [c for n in names for c in source.companions(n)]  # fp8 block scales, int4 scales
             task_bytes = sum(source.tensors[n].nbytes for n in names if n in source.tensors and n not in seen)
             seen.update(names)
             nbytes += task_bytes
@@ -142,7 +142,7 @@ def import_hf(
         pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2
         bridge = bridge_for(source.config, pretrained, model_type=source.raw_config.get("model_type"))
         model = build_model(bridge, cpu=cpu, dtype=dtype, tp=tp, pp=pp, ep=ep)
-        if source.expert_layout == "fused":  # Megatron Bridge's mappings name experts one by one
+        if source.expert_layout == "fused" or source.int4:  # experts by name, one by one; int4 read dequantized
             pretrained = ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
         used, _ = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
         used = union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)

@@ -138,7 +138,7 @@ class _ShardWriter:
 def _export_config_json(hf_source: Path, dest: Path, *, dtype: str) -> list[str]:
     """Write config.json: the source's bytes unchanged, unless the weights now differ in format.
 
-    A source with an fp8 ``quantization_config`` was dequantized on import; keeping that key would make
+    A source with an fp8 or int4 ``quantization_config`` was dequantized on import; keeping that key would make
     loaders expect fp8 tensors and scales, so it is dropped (the only change) and a note is returned.
     """
     raw_bytes = (hf_source / "config.json").read_bytes()
@@ -146,12 +146,12 @@ def _export_config_json(hf_source: Path, dest: Path, *, dtype: str) -> list[str]
     if "quantization_config" not in raw:
         (dest / "config.json").write_bytes(raw_bytes)
         return []
-    raw.pop("quantization_config")
+    method = (raw.pop("quantization_config") or {}).get("quant_method", "")
     declared = raw.get("torch_dtype")
     if declared not in (None, dtype):
         raw["torch_dtype"] = dtype
     (dest / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    return [f"config.json: dropped the source's fp8 quantization_config (weights are exported as {dtype})"]
+    return [f"config.json: dropped the source's {method} quantization_config (weights are exported as {dtype})"]
 
 
 def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:

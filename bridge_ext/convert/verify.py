@@ -67,14 +67,14 @@ def verify_logits(
 def _hf_reference_model(source: HFSource) -> Any:
     """The source as a transformers model in fp32 (eager attention), loaded by transformers' ``from_pretrained``
     wherever it can: a per-expert checkpoint under any transformers (5 fuses experts on load), a fused one where
-    the installed model is fused too. fp8 sources (transformers would quantize on load, GPU only) and fused
+    the installed model is fused too. fp8 and int4 sources (transformers would quantize on load) and fused
     checkpoints under a per-expert transformers are read here: dequantized like the import, experts assembled to
     the installed model's layout (:mod:`~bridge_ext.convert.expert_layout`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model_layout = expert_layout(model_tensor_shapes(source.config))
-    if not source.fp8 and source.expert_layout in ("none", "per_expert", model_layout):
+    if not (source.fp8 or source.int4) and source.expert_layout in ("none", "per_expert", model_layout):
         return AutoModelForCausalLM.from_pretrained(
             str(source.path), config=source.config, dtype=torch.float32, attn_implementation="eager"
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.convert.hf_dir import SAFETENSORS_DTYPES, HFSource
+from bridge_ext.convert.int4 import read_int4
 
 __all__ = ["HFByteReader", "LazyHFState", "ST_TO_TORCH", "map_range"]
 
@@ -66,8 +67,7 @@ class HFByteReader:
             base, offsets = _data_offsets(source.path / file)
             for name, (begin, _) in offsets.items():
                 self._where[name] = (file, base + begin)
-        fused = {view.fused for view in source.expert_views.values()}
-        self.names: list[str] = [n for n in source.tensors if n not in fused] + list(source.expert_views)
+        self.names: list[str] = source.readable()
         self._lock = threading.Lock()
 
     def _fd(self, file: str) -> int:
@@ -86,9 +86,12 @@ class HFByteReader:
         return (rows[1] - rows[0]) * math.prod(info.shape[2:]) * SAFETENSORS_DTYPES[info.dtype]
 
     def read(self, name: str) -> Any:
-        """The tensor ``name`` as stored (dtype and shape); KeyError when the checkpoint has none."""
+        """The tensor ``name`` as stored (dtype and shape), an int4 weight dequantized; KeyError when the checkpoint
+        has none."""
         import torch
 
+        if name in self.source.int4_weights:
+            return read_int4(name, self.read, self.source.int4, getattr(torch, self.source.dtype))
         view = self.source.expert_views.get(name)
         stored = view.fused if view is not None else name
         if stored not in self.source.tensors:

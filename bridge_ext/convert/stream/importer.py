@@ -95,7 +95,7 @@ class _Converter:
         seen: set[str] = set()
         for owner, task in skeleton.tasks.items():  # the stored tensors each parameter reads first
             names = list(dict.fromkeys(source.stored_name(n) for n in _hf_names(task.mapping.hf_param)))
-            names += [f"{n}_scale_inv" for n in names if f"{n}_scale_inv" in source.tensors]
+            names += [c for n in names for c in source.companions(n)]  # fp8 / int4 scales
             self._claims[owner] = [n for n in names if n not in seen]
             seen.update(names)
         self.total = len(seen & set(source.tensors))
