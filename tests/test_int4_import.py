@@ -132,6 +132,7 @@ def test_logits_equal_transformers_on_the_unquantized_source_and_export_is_plain
 
 
 # ------------------------------------------------------------------------------------------------ negative controls
+@pytest.mark.stack
 @pytest.mark.slow
 def test_wrong_nibble_order_gives_different_matrices(tmp_path):
     """Packed high nibble first (the reverse of the format): every dequantized matrix differs from the bf16 source,
@@ -147,6 +148,7 @@ def test_wrong_nibble_order_gives_different_matrices(tmp_path):
     reader.close()
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.parametrize("stated", [16, 64])
 def test_a_group_size_other_than_the_scales_is_refused(tmp_path, stated):
@@ -157,6 +159,7 @@ def test_a_group_size_other_than_the_scales_is_refused(tmp_path, stated):
     assert "\n" not in message and f"in groups of {stated}" in message and "mlp.experts." in message
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_a_group_size_that_fits_the_shapes_but_not_the_scales_gives_different_matrices(tmp_path):
     """Where shapes alone could not tell (scales cut to the count a wrong group size implies), the values do:
@@ -175,6 +178,7 @@ def test_a_group_size_that_fits_the_shapes_but_not_the_scales_gives_different_ma
     assert not torch.equal(dequantize_int4(packed, scale16[:, :2], (8, 64), 32, torch.bfloat16), exact)
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_an_ignore_list_naming_packed_modules_and_other_schemes_are_refused(tmp_path):
     hf = hf_fixtures.kimi_k2_thinking_int4_dir(tmp_path / "hf")
