@@ -100,7 +100,45 @@ def render_cards() -> str:
             out.append(f"  - {_layout_line(layout)}. Why: {layout.why}.")
             out.append(f"    Plan: {plan_summary(plan(recipe, layout=layout.cluster))}.")
         out.append("")
+    out += _release_rows()
     return "\n".join(out)
+
+
+def _release_rows() -> list[str]:
+    """The released checkpoints (``recipes.models.RELEASES``): fine-tuning recipes only, on their base's layouts."""
+    import json
+
+    from recipes.finetune import FINETUNE_RECIPES
+    from recipes.models import MODELS, RELEASES
+
+    out = ["## Released checkpoints (fine-tuning recipes)", "",
+           "The checkpoints users fine-tune: the same architecture as a model above, their own `config.json` (each",
+           "changed value's source: `recipes/hf_configs/<name>/README.md`). Each has `<name>_sft_muon`, `_sft_adamw`,",
+           "`_lora_muon`, `_lora_adamw` with its base model's fine-tuning preset and layouts (docs/finetune.md);",
+           "`plan` and `muon-plan` take the SFT ones (`--recipe <name>_sft_muon`): the base model's numbers.", "",
+           "| release | base | config.json differs from the base in | SFT / LoRA default layout |", "|---|---|---|---|"]
+    for name, spec in RELEASES.items():
+        base = MODELS[spec.release_of]
+        differs = []
+        for key in sorted(spec.hf_config.keys() | base.hf_config.keys()):
+            new, old = spec.hf_config.get(key), base.hf_config.get(key)
+            if new == old:
+                continue
+            if isinstance(new, dict) and isinstance(old, dict):
+                inner = [k for k in sorted(new.keys() | old.keys()) if new.get(k) != old.get(k)]
+                if key == "quantization_config":
+                    w = next(iter(new.get("config_groups", {}).values()), {}).get("weights", {})
+                    differs.append(f"`{key}`: {new.get('quant_method')} {new.get('format')}, int{w.get('num_bits')} "
+                                   f"group {w.get('group_size')} (was {old.get('quant_method')})")
+                else:
+                    differs.append(", ".join(f"`{key}.{k}` {json.dumps(new.get(k))}" for k in inner))
+            else:
+                differs.append(f"`{key}` {json.dumps(new)} (was {json.dumps(old)})")
+        layout = FINETUNE_RECIPES[f"{name}_sft_muon"].layout()
+        out.append(f"| `{name}` ({spec.display}, `{spec.hf_id}`) | `{base.name}` | {'; '.join(differs)} | "
+                   f"`{layout.cluster}` ({layout.gpus} GPUs) |")
+    out.append("")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

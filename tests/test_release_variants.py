@@ -8,6 +8,7 @@ copies of the released config.json), never read from the package; the base confi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,28 @@ def test_get_full_recipe_refuses_lora_with_the_sft_twin():
     assert get_full_recipe("kimi_k2_muon").name == "kimi_k2_muon"
     with pytest.raises(UserError, match="kimi_k2_instruct_0905_sft_muon"):
         get_full_recipe("kimi_k2_instruct_0905_lora_muon")
+
+
+@pytest.mark.once
+def test_a_runs_checkpoint_is_told_from_its_release_by_rope_or_asks_for_the_config(tmp_path):
+    """Export finds a training run's config by its sizes; a release has its base's sizes, so its RoPE (run config
+    fields typed from the shipped yaml/*.yaml: rotary_base, rotary_scaling_factor) tells them apart, and where two
+    releases are the same model (Instruct / Thinking 2507) the user is asked for --hf-config."""
+    from bridge_ext.convert.megatron_ckpt import hf_source_for_checkpoint, provider_fields
+
+    def run_with(model: str, **rope) -> Path:
+        iter_dir = tmp_path / f"{model}-{len(list(tmp_path.iterdir()))}" / "iter_0000002"
+        iter_dir.mkdir(parents=True)
+        fields = {**provider_fields(MODELS[model].architecture), **rope}
+        (iter_dir / "run_config.yaml").write_text(json.dumps({"model": fields}))  # JSON is YAML
+        return iter_dir
+
+    def found(iter_dir: Path):
+        return hf_source_for_checkpoint(iter_dir.parent, iter_dir, None)
+
+    assert found(run_with("qwen3_4b", rotary_base=1000000, rotary_scaling_factor=None)) == HF_CONFIGS / "qwen3_4b"
+    assert found(run_with("kimi_k2", rotary_base=50000.0, rotary_scaling_factor=32.0)) == HF_CONFIGS / "kimi_k2"
+    for model, rope in (("qwen3_4b", {"rotary_base": 5000000}), ("qwen3_30b_a3b", {"rotary_base": 10000000}),
+                        ("kimi_k2", {"rotary_base": 50000.0, "rotary_scaling_factor": 64.0})):
+        with pytest.raises(UserError, match="pass --hf-config DIR"):
+            found(run_with(model, **rope))

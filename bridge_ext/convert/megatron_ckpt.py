@@ -91,17 +91,28 @@ def _matching_shipped_config(model: dict[str, Any]) -> Path | None:
     (:func:`provider_fields` of each model spec's :class:`~recipes.architecture.Architecture`). A run whose
     model was overridden matches none and must name its config with ``--hf-config``.
     """
-    from recipes.models import MODELS
+    from recipes.models import MODELS, RELEASES
 
     if not model.get("hidden_size") or not model.get("num_layers"):
         return None
     matches = []
-    for spec in MODELS.values():
+    for spec in (*MODELS.values(), *RELEASES.values()):
         expected = provider_fields(spec.architecture)
         if all(model.get(field, False if field == "multi_latent_attention" else None) == value
-               for field, value in expected.items()):  # fmt: skip
+               for field, value in expected.items()) and all(  # fmt: skip
+                model.get(field, value) == value for field, value in _rope_fields(spec.hf_config).items()):
             matches.append(spec.config_dir)
     return matches[0] if len(set(matches)) == 1 else None
+
+
+def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """What tells a release from its base model (same sizes, other RoPE: Qwen3-2507's theta, Kimi K2 0905 /
+    Thinking's YaRN factor), as provider fields; compared only where the run's config records them."""
+    fields = {"rotary_base": raw["rope_theta"]} if raw.get("rope_theta") is not None else {}
+    rope = raw.get("rope_scaling")
+    if isinstance(rope, dict) and rope.get("type", rope.get("rope_type")) == "yarn":
+        fields["rotary_scaling_factor"] = rope.get("factor")
+    return fields
 
 
 def checkpoint_param_dtype(iter_dir: Path) -> Any:
