@@ -22,7 +22,8 @@ its per-model mappings; what this module adds:
 * Export of training runs: latest complete ``iter_*`` or ``--iteration N``; the HF config is found from the
   import's ``hf_source/``, the run's ``hf_model_id`` or the matching shipped recipe config; optimizer state
   is never read; weights load without Megatron Core's gate/up merge copies.
-* Kimi K2 / DeepSeek-V3 fp8 releases (e4m3 + 128x128 ``weight_scale_inv``) are dequantized on import.
+* Kimi K2 / DeepSeek-V3 fp8 releases (e4m3 + 128x128 ``weight_scale_inv``) are dequantized on import; so is
+  Kimi-K2-Thinking's int4 (compressed-tensors ``pack-quantized``, :mod:`~bridge_ext.convert.int4`).
 
 
 Parts: :mod:`~bridge_ext.convert.hf_dir` (reading and validating HF directories),
@@ -30,7 +31,7 @@ Parts: :mod:`~bridge_ext.convert.hf_dir` (reading and validating HF directories)
 :mod:`~bridge_ext.convert.staging` (staged, atomic output), :mod:`~bridge_ext.convert.parallel` (process group
 and parallel state), :mod:`~bridge_ext.convert.model` (building the Megatron side; SequentialMLP experts in
 Megatron Bridge's mappings: ``bridge_ext.patches.conversion``),
-:mod:`~bridge_ext.convert.fp8`, :mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron`
+:mod:`~bridge_ext.convert.fp8`, :mod:`~bridge_ext.convert.int4`, :mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron`
 (import), :mod:`~bridge_ext.convert.megatron_to_hf` (export), :mod:`~bridge_ext.convert.report` (summary and
 progress) and :mod:`~bridge_ext.convert.cli` (the commands on the console; their options:
 ``bridge_ext.commands.hf_import`` / ``hf_export``).
