@@ -158,7 +158,7 @@ def test_hand_counts_written_out():
     ("qwen3_8b_muon", "h100x8", (4,), True),  # the data-parallel rank the layer-wise optimizer gives the embedding
     ("kimi_k2_muon", "gb300x256", (0,), True),
     ("kimi_k2_adamw", "gb300x256", (0, 255), False),
-    ("qwen3_30b_a3b_muon", "gb300x8", (0,), False),
+    ("qwen3_30b_a3b_muon", "gb300x8", (0,), True),
     ("qwen3_30b_a3b_adamw", "gb300x8", (0,), False),
     ("qwen3_235b_a22b_muon", "h100x128", (0,), False),
     ("qwen3_235b_a22b_adamw", "h100x128", (0,), False),
