@@ -160,7 +160,7 @@ def test_hand_counts_written_out():
     ("kimi_k2_adamw", "gb300x256", (0, 255), False),
     ("qwen3_30b_a3b_muon", "gb300x8", (0,), True),
     ("qwen3_30b_a3b_adamw", "gb300x8", (0,), False),
-    ("qwen3_235b_a22b_muon", "h100x128", (0,), False),
+    ("qwen3_235b_a22b_muon", "h100x128", (0,), True),
     ("qwen3_235b_a22b_adamw", "h100x128", (0,), False),
 ], ids=lambda value: "rank" + "+".join(map(str, value)) if isinstance(value, tuple) else None)
 def test_rehearsal_equals_plan(cpu_mode, recipe, layout, ranks, step):
