@@ -58,10 +58,7 @@ CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (th
 WRITER_QUEUE_PUBLIC = {"checkpoint-writer-dies-with-trainer (get_write_results_queue)"}
 MLA_Q_WITHOUT_LORA = {f"{name}{scope}" for name in ("mla-q-projection-without-norm", "mla-unused-q-norm")
                       for scope in ("", " (conversion)")}
-APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) -> patches
-    ("0.3.1", "0.3.0"): {"muon-nesterov-kwarg", "muon-tp-mode-kwarg", "prebuilt-dataset-helpers",
-                         "checkpoint-writer-dies-with-trainer", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
-                         *SEQUENTIAL_EXPERTS_BEFORE_0_4, *CPU_CODE_IN_CORE_0_16},
+APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requirements/lock-*.txt -> patches
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
@@ -124,6 +121,41 @@ def test_each_stack_fix_applies_exactly_where_the_installed_code_needs_it():
     decided = {p.name for p in patches.REGISTRY if p.needed is not always}
     expected = APPLIES_BY_STACK[stack] | APPLIES_ON_THIS_MACHINE | APPLIES_ON_EVERY_RELEASE_READ
     assert set(patches.applied_here()) & decided == expected, describe_stack()
+
+
+def locked_stacks() -> dict[str, tuple[str, str]]:
+    """STACK name -> (megatron-bridge, emerging-optimizers) as requirements/lock-<STACK>.txt pins them."""
+    stacks = {}
+    for lock in sorted((REPO / "requirements").glob("lock-*.txt")):
+        pins = dict(line.split(" ")[0].split("==", 1) for line in lock.read_text().splitlines()
+                    if "==" in line and not line.startswith("#"))
+        stacks[lock.stem.removeprefix("lock-")] = (pins["megatron-bridge"], pins["emerging-optimizers"])
+    return stacks
+
+
+def patches_by_stack_markdown() -> str:
+    """docs/stacks.md's "Patches by stack" table: every capability-decided patch (registry order) by lock, from
+    the expectations above that test_each_stack_fix_applies_exactly_where_the_installed_code_needs_it checks."""
+    stacks = locked_stacks()
+    everywhere = APPLIES_ON_THIS_MACHINE | APPLIES_ON_EVERY_RELEASE_READ
+    lines = ["| patch | " + " | ".join(f"`{name}`" for name in stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
+    for patch in (p for p in patches.REGISTRY if p.needed is not always):
+        cells = ["applies" if patch.name in APPLIES_BY_STACK[key] | everywhere else "—" for key in stacks.values()]
+        lines.append(f"| {patch.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def test_every_lock_has_its_expected_patches():
+    """APPLIES_BY_STACK names exactly the locked stacks: none untested, no entry for a stack no lock installs."""
+    assert set(locked_stacks().values()) == set(APPLIES_BY_STACK)
+
+
+@pytest.mark.once  # the same text on every stack
+def test_the_stacks_doc_shows_the_patches_by_stack():
+    text = (REPO / "docs" / "stacks.md").read_text()
+    section = text.split("\n## Patches by stack\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert table == patches_by_stack_markdown(), "paste tests/test_patches.py patches_by_stack_markdown()"
 
 
 def test_the_docs_list_every_patch():
