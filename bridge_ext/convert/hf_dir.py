@@ -28,7 +28,7 @@ from recipes.families import FAMILIES, ModelFamily, families_of_architecture, fa
 __all__ = ["CONVERSION_RECORD", "FLOAT_ST", "HF_SOURCE_DIR", "SAFETENSORS_DTYPES", "TORCH_TO_ST", "HFSource",
            "TensorInfo", "architecture_of", "config_from_dir", "convertible_family", "copy_side_files",
            "expected_hf_tensors", "hf_tokenizer_loadable", "inspect_hf_dir", "model_tensor_shapes",
-           "read_safetensors_header", "supported_architectures"]
+           "read_safetensors_header", "supported_architectures", "write_hf_source"]
 
 
 # Next to an imported checkpoint: the source's config.json (bytes), tokenizer and generation files.
@@ -390,6 +390,24 @@ def copy_side_files(source: Path, dest: Path) -> list[str]:
                 shutil.copy2(file, dest / file.name)
                 copied.append(file.name)
     return copied
+
+
+def write_hf_source(hf: Path, staging: Path, source: HFSource) -> None:
+    """An import's ``hf_source/``: config.json's bytes, the tokenizer / generation files and the conversion record
+    (what export and run recognition read back)."""
+    side = staging / HF_SOURCE_DIR
+    side.mkdir()
+    shutil.copy2(hf / "config.json", side / "config.json")
+    copy_side_files(hf, side)
+    record = {
+        "direction": "import",
+        "source": str(hf.absolute()),
+        "architecture": source.architecture,
+        "dtype": source.dtype,
+        "fp8_source": source.fp8,
+        "tensors": {k: v.dtype for k, v in sorted(source.tensors.items())},
+    }
+    (side / CONVERSION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def hf_tokenizer_loadable(path: Path) -> bool:

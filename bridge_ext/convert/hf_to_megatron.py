@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,22 +10,19 @@ from typing import Any
 
 from bridge_ext.convert.fp8 import fp8_dequantizing
 from bridge_ext.convert.hf_dir import (
-    CONVERSION_RECORD,
-    HF_SOURCE_DIR,
     HFSource,
     architecture_of,
-    copy_side_files,
     hf_tokenizer_loadable,
     inspect_hf_dir,
+    write_hf_source,
 )
-from bridge_ext.convert.megatron_ckpt import find_iteration
 from bridge_ext.convert.hf_read import per_expert_state
 from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, model_param_names, prepare_runtime
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group, union_over_ranks
 from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, say_on_rank0
 from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, import_streaming
-from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
+from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_import
 from bridge_ext.errors import UserError
 
 __all__ = ['import_hf']
@@ -155,27 +150,9 @@ def import_hf(
         save_megatron_model(model, str(staging), hf_tokenizer_path=tokenizer, low_memory_save=True)
         del model
         if is_rank0():
-            side = staging / HF_SOURCE_DIR
-            side.mkdir()
-            shutil.copy2(hf / "config.json", side / "config.json")
-            copy_side_files(hf, side)
-            record = {
-                "direction": "import",
-                "source": str(hf.absolute()),
-                "architecture": source.architecture,
-                "dtype": source.dtype,
-                "fp8_source": source.fp8,
-                "tensors": {k: v.dtype for k, v in sorted(source.tensors.items())},
-            }
-            (side / CONVERSION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+            write_hf_source(hf, staging, source)
         if verify:
-            iter_dir, _ = find_iteration(staging)
-            say_on_rank0(console, "verifying: transformers vs Megatron logits in fp32")
-            summary.max_logit_diff = verify_logits(hf, iter_dir, source=source, cpu=cpu)
-            if not summary.max_logit_diff <= tolerance:
-                raise UserError(
-                    f"verification failed: max |logit difference| {summary.max_logit_diff:.3e} exceeds the tolerance "
-                    f"{tolerance:.0e}; nothing was written to {target}"
-                )
+            summary.max_logit_diff = verify_import(staging, hf, source=source, cpu=cpu, tolerance=tolerance,
+                                                   target=target, console=console)  # fmt: skip
     summary.seconds = time.perf_counter() - start
     return summary

@@ -8,11 +8,13 @@ from typing import Any
 from bridge_ext.convert.expert_layout import assemble, expert_layout
 from bridge_ext.convert.hf_dir import HFSource, model_tensor_shapes, inspect_hf_dir
 from bridge_ext.convert.hf_read import HFTensorReader
-from bridge_ext.convert.megatron_ckpt import load_model_weights
+from bridge_ext.convert.megatron_ckpt import find_iteration, load_model_weights
 from bridge_ext.convert.model import bridge_for, build_model, prepare_runtime
 from bridge_ext.convert.parallel import process_group
+from bridge_ext.convert.report import say_on_rank0
+from bridge_ext.errors import UserError
 
-__all__ = ['VERIFY_TOLERANCE', 'verify_logits']
+__all__ = ['VERIFY_TOLERANCE', 'verify_import', 'verify_logits']
 
 
 # summation order (~1e-6 relative per op): the tiny test models measure 0 to 9e-7; for real models with
@@ -89,3 +91,16 @@ def _hf_reference_model(source: HFSource) -> Any:
             target.copy_(tensor.to(torch.float32))
     reader.close()
     return model
+
+
+def verify_import(staging: Path, hf: Path, *, source: HFSource, cpu: bool, tolerance: float, target: Path,
+                  console: Any) -> float:
+    """``import --verify``: transformers' logits vs the staged checkpoint's, in fp32 (:func:`verify_logits`); past
+    ``tolerance`` a one-line error, and the staging directory is never renamed into ``target``."""
+    iter_dir, _ = find_iteration(staging)
+    say_on_rank0(console, "verifying: transformers vs Megatron logits in fp32")
+    difference = verify_logits(hf, iter_dir, source=source, cpu=cpu)
+    if not difference <= tolerance:
+        raise UserError(f"verification failed: max |logit difference| {difference:.3e} exceeds the tolerance "
+                        f"{tolerance:.0e}; nothing was written to {target}")
+    return difference

@@ -15,8 +15,6 @@ model-building path (``save_megatron_model``, ``training/model_load_save.py``).
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -125,26 +123,6 @@ class _Converter:
                 self.progress.advance(nbytes, tensors=len(claimed))
 
 
-def _write_hf_source(hf: Path, staging: Path, source: Any) -> None:
-    """``hf_source/``: config.json bytes, tokenizer / generation files, the conversion record (as the
-    model-building import writes it)."""
-    from bridge_ext.convert.hf_dir import CONVERSION_RECORD, HF_SOURCE_DIR, copy_side_files
-
-    side = staging / HF_SOURCE_DIR
-    side.mkdir()
-    shutil.copy2(hf / "config.json", side / "config.json")
-    copy_side_files(hf, side)
-    record = {
-        "direction": "import",
-        "source": str(hf.absolute()),
-        "architecture": source.architecture,
-        "dtype": source.dtype,
-        "fp8_source": source.fp8,
-        "tensors": {k: v.dtype for k, v in sorted(source.tensors.items())},
-    }
-    (side / CONVERSION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-
-
 def import_streaming(
     source: Any,
     target: Path,
@@ -168,14 +146,13 @@ def import_streaming(
     import torch
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
 
-    from bridge_ext.convert.hf_dir import hf_tokenizer_loadable
+    from bridge_ext.convert.hf_dir import hf_tokenizer_loadable, write_hf_source
     from bridge_ext.convert.hf_read import per_expert_state
-    from bridge_ext.convert.megatron_ckpt import find_iteration
     from bridge_ext.convert.model import ConfigSource
     from bridge_ext.convert.parallel import is_rank0, process_group, union_over_ranks
     from bridge_ext.convert.report import TensorProgress, say_on_rank0
     from bridge_ext.convert.staging import staged_output
-    from bridge_ext.convert.verify import verify_logits
+    from bridge_ext.convert.verify import verify_import
 
     hf = source.path
     dtype = getattr(torch, source.dtype)
@@ -201,16 +178,10 @@ def import_streaming(
             if unused:
                 summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
             if is_rank0():
-                _write_hf_source(hf, staging, source)
+                write_hf_source(hf, staging, source)
             if verify:
-                iter_dir, _ = find_iteration(staging)
-                say_on_rank0(console, "verifying: transformers vs Megatron logits in fp32")
-                summary.max_logit_diff = verify_logits(hf, iter_dir, source=source, cpu=cpu)
-                if not summary.max_logit_diff <= tolerance:
-                    raise UserError(
-                        f"verification failed: max |logit difference| {summary.max_logit_diff:.3e} exceeds the "
-                        f"tolerance {tolerance:.0e}; nothing was written to {target}"
-                    )
+                summary.max_logit_diff = verify_import(staging, hf, source=source, cpu=cpu, tolerance=tolerance,
+                                                       target=target, console=console)  # fmt: skip
     finally:
         reader.close()
     return summary
