@@ -25,22 +25,9 @@ from recipes.families import FAMILIES, ModelFamily
 from recipes.models import MODELS
 from recipes.params import count_params
 
-LLAMA_TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=10_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# the tiny Qwen3 of tests/hf_fixtures.py as a Llama: no q/k norms, its head_dim implied, Llama's RoPE base
+LLAMA_TINY = {key: value for key, value in hf_fixtures.QWEN3_TINY.items() if key not in ("head_dim", "attention_bias")}
+LLAMA_TINY.update(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10_000.0)
 LLAMA = ModelFamily(model_type="llama", display="Llama", hf_architecture="LlamaForCausalLM",
                     source="a family registered by this test only")
 
