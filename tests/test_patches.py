@@ -155,7 +155,9 @@ def test_the_stacks_doc_shows_the_patches_by_stack():
     text = (REPO / "docs" / "stacks.md").read_text()
     section = text.split("\n## Patches by stack\n", 1)[1].split("\n## ", 1)[0]
     table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
-    assert table == patches_by_stack_markdown(), "paste tests/test_patches.py patches_by_stack_markdown()"
+    assert table == patches_by_stack_markdown(), (
+        "paste the output of: python -c \"import sys; sys.path[:0] = ['tests']; import test_patches; "
+        "print(test_patches.patches_by_stack_markdown())\"")
 
 
 def test_the_docs_list_every_patch():
