@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 import hf_fixtures
+from ckpt_io import load_safetensors
 from bridge_ext import convert
 from bridge_ext.convert import export_hf, find_iteration, import_hf, inspect_hf_dir, read_safetensors_header
 from bridge_ext.convert.model import bridge_for, prepare_runtime
 from bridge_ext.convert.parallel import init_model_parallel, process_group
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields
-from tests.nemo_cli import nemo_process, start_nemo
+from tests.nemo_cli import start_nemo
 
 REPO = Path(__file__).resolve().parents[1]
 FP32_TOLERANCE = 1e-5  # the bar for tiny models in fp32
@@ -38,15 +39,6 @@ def snapshot(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-def load_all(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 def assert_nothing_written(target: Path) -> None:
@@ -343,7 +335,7 @@ def test_round_trip_is_bit_identical_and_logits_match(converted, name):
     assert run["hf_unchanged"] and run["ckpt_unchanged"]  # inputs are only read
     # Megatron (loaded from the written checkpoint) vs transformers, fp32, same tokens.
     assert run["imported"].max_logit_diff is not None and run["imported"].max_logit_diff <= FP32_TOLERANCE
-    source, exported = load_all(run["hf"]), load_all(run["out"])
+    source, exported = load_safetensors(run["hf"]), load_safetensors(run["out"])
     assert sorted(source) == sorted(exported)
     for key, tensor in source.items():
         assert exported[key].dtype == tensor.dtype and exported[key].shape == tensor.shape, key
@@ -439,7 +431,7 @@ def test_kimi_fp8_release_format_imports_dequantized(tmp_path):
     out_cfg, src_cfg = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "out", hf))
     src_cfg.pop("quantization_config")
     assert out_cfg == src_cfg  # everything else unchanged: model_type kimi_k2, auto_map, torch_dtype bfloat16
-    weights = load_all(tmp_path / "out")
+    weights = load_safetensors(tmp_path / "out")
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     scale = f"{name}_scale_inv"
     with safe_open(hf / source.tensors[name].file, "pt") as a, safe_open(hf / source.tensors[scale].file, "pt") as b:
@@ -498,7 +490,7 @@ def test_fused_and_per_expert_checkpoints_hold_the_same_experts(tmp_path):
     assert (a.expert_layout, b.expert_layout) == ("per_expert", "fused")
     assert len(a.tensors) == 45  # embed, norm, lm_head + 2 x (4 attn + 2 qk-norm + 2 norms + router + 4 experts x 3)
     assert len(b.tensors) == 25  # each layer's 12 expert tensors are 2 fused ones
-    per, whole = load_all(released), load_all(fused)
+    per, whole = load_safetensors(released), load_safetensors(fused)
     gate_up, down = whole["model.layers.1.mlp.experts.gate_up_proj"], whole["model.layers.1.mlp.experts.down_proj"]
     assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)  # [E, 2 x 32, 64], [E, 64, 32]
     assert torch.equal(gate_up[2, :32], per["model.layers.1.mlp.experts.2.gate_proj.weight"])
@@ -560,7 +552,7 @@ def test_fused_checkpoint_imports_like_the_released_one_and_exports_per_expert(c
     assert sorted(checkpoints[0]) == sorted(checkpoints[1]) and any(".experts." in k for k in checkpoints[0])
     assert all(torch.equal(checkpoints[0][k], v) for k, v in checkpoints[1].items())
     exported = export_hf(tmp_path / "mg", tmp_path / "out", progress=False, console=None)
-    out, released = load_all(tmp_path / "out"), load_all(run["hf"])
+    out, released = load_safetensors(tmp_path / "out"), load_safetensors(run["hf"])
     assert sorted(out) == sorted(released) and exported.tensors == len(released)
     for key, tensor in released.items():
         assert out[key].dtype == tensor.dtype and out[key].reshape(-1).view(torch.uint8).equal(
@@ -619,7 +611,7 @@ def test_overwrite_replaces_target(converted, tmp_path):
     (target / "stale.txt").write_text("old")
     summary = export_hf(run["mg"], target, overwrite=True, progress=False, console=None)
     assert not (target / "stale.txt").exists() and (target / "config.json").is_file()
-    assert summary.tensors == 25 and summary.bytes == sum(t.numel() * 4 for t in load_all(run["hf"]).values())
+    assert summary.tensors == 25 and summary.bytes == sum(t.numel() * 4 for t in load_safetensors(run["hf"]).values())
     assert "tensors" in summary.line() and "/s" in summary.line()
 
 
@@ -635,7 +627,7 @@ def test_export_without_known_hf_config_asks_for_one(converted, tmp_path):
     assert_nothing_written(tmp_path / "out")
     summary = export_hf(ckpt, tmp_path / "out", hf_config=run["hf"], progress=False, console=None)
     assert summary.tensors == 25
-    exported, source = load_all(tmp_path / "out"), load_all(run["hf"])
+    exported, source = load_safetensors(tmp_path / "out"), load_safetensors(run["hf"])
     assert all(exported[k].equal(v) for k, v in source.items())
 
 
@@ -734,7 +726,7 @@ def test_export_of_a_training_run_latest_and_chosen_iteration(training_run, qwen
     chosen = export_hf(ckpt, root / "it3", iteration=3, progress=False, console=None)
     assert snapshot(ckpt) == before
     assert latest.tensors == chosen.tensors == 25
-    w5, w3, w0 = load_all(root / "latest"), load_all(root / "it3"), load_all(qwen3_hf)
+    w5, w3, w0 = load_safetensors(root / "latest"), load_safetensors(root / "it3"), load_safetensors(qwen3_hf)
     assert sorted(w5) == sorted(training_run["final"])
     assert all(torch.equal(w5[k], training_run["final"][k]) for k in w5)  # exactly the trained weights
     assert not torch.equal(w3["model.layers.0.mlp.up_proj.weight"], w5["model.layers.0.mlp.up_proj.weight"])
@@ -778,7 +770,7 @@ def test_import_pretrain_export_cycle_with_a_recipe(nemo, tmp_path):
     assert any(k.startswith("optimizer.") for k in metadata.state_dict_metadata)  # Muon state is in there
     summary = export_hf(tmp_path / "run", tmp_path / "out", progress=False, console=None)
     assert (tmp_path / "out" / "config.json").read_bytes() == shipped.read_bytes()  # found by its sizes
-    source, exported = load_all(hf), load_all(tmp_path / "out")
+    source, exported = load_safetensors(hf), load_safetensors(tmp_path / "out")
     assert sorted(source) == sorted(exported) and summary.tensors == len(source)
     assert all(exported[k].equal(v) for k, v in source.items())
     assert convert.verify_logits(tmp_path / "out", iter_dir) <= FP32_TOLERANCE
@@ -813,4 +805,4 @@ def test_cli_import_verify_and_export(nemo, qwen3_hf, tmp_path):
     result = nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf"])
     assert result.code == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("export: 25 tensors")
-    assert all(load_all(tmp_path / "hf")[k].equal(v) for k, v in load_all(qwen3_hf).items())
+    assert all(load_safetensors(tmp_path / "hf")[k].equal(v) for k, v in load_safetensors(qwen3_hf).items())

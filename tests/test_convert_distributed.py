@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import convert_rank_driver
+from ckpt_io import assert_bit_identical, load_safetensors, load_torch_dist
 import hf_fixtures
 from bridge_ext.convert import export_hf, import_hf
 from bridge_ext.errors import UserError
@@ -36,36 +37,6 @@ BAD = {  # command -> the one line each rank prints (exit code 2, nothing writte
                      "error: --tp 2 --pp 1 --ep 2 needs a multiple of 4 processes (TP x PP = 2, TP x EP = 4), this "
                      "run has 2; launch it with `torchrun --nproc-per-node 4 $(which nemo) llm ...` or lower the sizes"),
 }  # fmt: skip
-
-
-def load_safetensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def load_torch_dist(iter_dir: Path, scratch: Path) -> dict:
-    """Every tensor of a torch_dist checkpoint, as global tensors (torch's own DCP -> torch.save converter)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = scratch / f"{iter_dir.parent.name}.pt"
-    dcp_to_torch_save(str(iter_dir), str(target))
-    state = torch.load(target, weights_only=False)
-    target.unlink()
-    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
-
-
-def assert_bit_identical(got: dict, want: dict, case: str) -> None:
-    import torch
-
-    assert sorted(got) == sorted(want), case
-    for key, tensor in want.items():
-        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, (case, key)
-        assert got[key].reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), (case, key)
 
 
 def two_process_runs(root: Path) -> dict:
@@ -104,9 +75,9 @@ def test_two_process_conversions_equal_one_process(tmp_path):
     for name, layout in CASES:
         case = f"{name} {layout}"
         base = runs["root"] / name
-        reference = load_torch_dist(base / "mg1" / "iter_0000000", tmp_path)
+        reference = load_torch_dist(base / "mg1" / "iter_0000000", tmp_path, tensors_only=True)
         assert any(".experts." in key for key in reference), case  # the expert weights are among those compared
-        assert_bit_identical(load_torch_dist(base / f"mg_{layout}" / "iter_0000000", tmp_path), reference, case)
+        assert_bit_identical(load_torch_dist(base / f"mg_{layout}" / "iter_0000000", tmp_path, tensors_only=True), reference, case)
         exported, source = load_safetensors(base / f"hf_{layout}"), load_safetensors(base / "hf")
         assert_bit_identical(exported, load_safetensors(base / "hf1"), case)
         assert_bit_identical(exported, source, case)

@@ -13,12 +13,12 @@ tensor, and the source's. The streamed checkpoint is also loaded by megatron-cor
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 import convert_rank_driver
+from ckpt_io import assert_bit_identical, load_safetensors, load_torch_dist, read_global_tensors
 import hf_fixtures
 import parallel_driver
 from bridge_ext.convert import export_hf, import_hf
@@ -32,39 +32,6 @@ MODELS = {  # name -> (builder, kwargs): the released layout, transformers 5's f
     "kimi_k2": (hf_fixtures.kimi_k2_dir, {}),
     "kimi_k2_fp8": (hf_fixtures.kimi_k2_fp8_dir, {"block": (16, 16)}),
 }
-
-
-def load_torch_dist(iter_dir: Path, scratch: Path) -> dict:
-    """Every entry of a torch_dist checkpoint as global tensors / objects (torch's DCP -> torch.save converter)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = scratch / f"{iter_dir.parent.name}-{os.getpid()}.pt"
-    dcp_to_torch_save(str(iter_dir), str(target))
-    state = torch.load(target, weights_only=False)
-    target.unlink()
-    return state
-
-
-def load_safetensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def assert_bit_identical(got: dict, want: dict, case: str) -> None:
-    import torch
-
-    assert sorted(got) == sorted(want), (case, sorted(set(got) ^ set(want)))
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert got[key].dtype == value.dtype and got[key].shape == value.shape, (case, key)
-            assert got[key].reshape(-1).view(torch.uint8).equal(value.reshape(-1).view(torch.uint8)), (case, key)
-        else:  # objects: _extra_state, megatron-core 0.19's common_state
-            assert repr(got[key]) == repr(value), (case, key)
 
 
 def run_config(root: Path) -> list[str]:
@@ -213,7 +180,6 @@ def test_streamed_checkpoint_trains_like_the_model_built_one_in_every_layout(nem
     cpu-tp2, cpu-pp2 and cpu-ep2 (one 2-process launch): the same losses and the same saved weights and Muon
     state, bit for bit, layout by layout; and the losses are the source's, not a fresh model's (lr 0 keeps them)."""
     from recipes.models import HF_CONFIGS
-    from test_parallel_cpu import read_global_tensors
 
     from bridge_ext.training import read_losses
 

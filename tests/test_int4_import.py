@@ -11,42 +11,15 @@ caught.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 import hf_fixtures
+from ckpt_io import bits_equal, load_safetensors, load_torch_dist
 from bridge_ext.convert import export_hf, import_hf, inspect_hf_dir
 from bridge_ext.errors import UserError
 
 FP32_TOLERANCE = 1e-5  # tests/test_convert.py's bar for tiny models in fp32
-
-
-def load_dir(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def load_torch_dist(iter_dir: Path, scratch: Path) -> dict:
-    """Every model tensor of a torch_dist checkpoint (torch's own DCP -> torch.save converter)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = scratch / f"{iter_dir.parent.name}.pt"
-    dcp_to_torch_save(str(iter_dir), str(target))
-    state = torch.load(target, weights_only=False)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def bits_equal(a, b) -> bool:
-    import torch
-
-    return a.dtype == b.dtype and a.shape == b.shape and a.reshape(-1).view(torch.uint8).equal(
-        b.reshape(-1).view(torch.uint8))
 
 
 def test_unpacking_follows_the_published_bit_layout():
@@ -88,7 +61,7 @@ def test_every_dequantized_matrix_equals_the_bf16_source(release):
     # the release's set: every routed expert matrix, nothing else (2 layers, 1 MoE layer x 8 experts x 3)
     assert len(source.int4_weights) == 24
     assert all(".mlp.experts." in name and ".shared_experts." not in name for name in source.int4_weights)
-    ref = load_dir(release["ref"])
+    ref = load_safetensors(release["ref"])
     reader = HFTensorReader(source)
     assert sorted(reader.names()) == sorted(ref)  # the packed tensors stand for exactly the bf16 weights
     for name, tensor in ref.items():
@@ -103,10 +76,10 @@ def test_streamed_and_model_built_imports_equal_the_bf16_sources_import(release,
     assert release["streamed"].max_logit_diff <= FP32_TOLERANCE  # Megatron vs transformers on the read weights
     for summary in (release["streamed"], release["built"]):
         assert summary.notes == []  # every stored tensor, packed values, scales and shapes, was used
-    want = load_torch_dist(root / "mg_ref" / "iter_0000000", tmp_path)
+    want = load_torch_dist(root / "mg_ref" / "iter_0000000", tmp_path, tensors_only=True)
     assert any(".experts." in k for k in want)
     for path in ("mg_stream", "mg_model"):
-        got = load_torch_dist(root / path / "iter_0000000", tmp_path)
+        got = load_torch_dist(root / path / "iter_0000000", tmp_path, tensors_only=True)
         assert sorted(got) == sorted(want), path
         for key, value in want.items():
             assert bits_equal(got[key], value), (path, key)
@@ -125,7 +98,7 @@ def test_logits_equal_transformers_on_the_unquantized_source_and_export_is_plain
     out_cfg, src_cfg = (json.loads((d / "config.json").read_text()) for d in (root / "out", release["hf"]))
     assert src_cfg.pop("quantization_config")["format"] == "pack-quantized"
     assert out_cfg == src_cfg  # the rest unchanged: model_type kimi_k2, auto_map, YaRN, torch_dtype bfloat16
-    got, want = load_dir(root / "out"), load_dir(release["ref"])
+    got, want = load_safetensors(root / "out"), load_safetensors(release["ref"])
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert bits_equal(got[key], value), key
@@ -141,7 +114,7 @@ def test_wrong_nibble_order_gives_different_matrices(tmp_path):
 
     hf = hf_fixtures.kimi_k2_thinking_int4_dir(tmp_path / "hf", reference=tmp_path / "ref", nibble_order="high_first")
     source = inspect_hf_dir(hf)
-    ref = load_dir(tmp_path / "ref")
+    ref = load_safetensors(tmp_path / "ref")
     reader = HFTensorReader(source)
     differing = [name for name in source.int4_weights if not bits_equal(reader.read(name), ref[name])]
     assert sorted(differing) == sorted(source.int4_weights)

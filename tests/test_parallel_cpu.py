@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_io import read_global_tensors
 from parallel_driver import launch
 
 MOE, DENSE = "qwen3_moe_proxy_muon", "qwen3_proxy_muon"
@@ -72,19 +73,6 @@ def _losses(run: Path) -> dict[int, float]:
     from bridge_ext.training import read_losses
 
     return read_losses(run / "losses.jsonl")
-
-
-def read_global_tensors(iteration_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint as its global tensor (any layout wrote it), by key."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(iteration_dir))
-    metadata = reader.read_metadata()
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
 
 
 def _max_differences(a: Path, b: Path) -> dict[str, float]:

@@ -150,7 +150,7 @@ def import_streaming(
     from bridge_ext.convert.hf_read import per_expert_state
     from bridge_ext.convert.model import ConfigSource
     from bridge_ext.convert.parallel import is_rank0, process_group, union_over_ranks
-    from bridge_ext.convert.report import TensorProgress, say_on_rank0
+    from bridge_ext.convert.report import TensorProgress
     from bridge_ext.convert.staging import staged_output
     from bridge_ext.convert.verify import verify_import
 
