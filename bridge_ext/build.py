@@ -319,7 +319,7 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     are skipped when they are absent (``cpu_mode.validation_without_gpu``). Every problem is a ``UserError``.
     """
     from bridge_ext.cpu_mode import validation_without_gpu
-    from bridge_ext.patches.adapters import mixed_precision_for_validate
+    from bridge_ext.patches.adapters import mixed_precision_for_validate, sft_root_for_validate
 
     problems = _size_problems(cfg) or _launch_problems(cfg, gpus, max_positions)
     if problems:
@@ -331,7 +331,7 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     if checked.comm_overlap is not None:
         checked.comm_overlap.data_parallel_size = checked.data_parallel_size
     try:
-        with validation_without_gpu(checked), mixed_precision_for_validate(checked):
+        with validation_without_gpu(checked), mixed_precision_for_validate(checked), sft_root_for_validate(checked):
             checked.validate()
     except (AssertionError, ValueError, TypeError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__

@@ -25,6 +25,7 @@ __all__ = [
     "common_state_inside_checkpoint",
     "describe_stack",
     "expect_snippets",
+    "first_defined",
     "have_transformer_engine",
     "missing_snippets",
     "module_source",
@@ -98,6 +99,21 @@ def expect_snippets(module_name: str, snippets: tuple[str, ...], *, fix: str) ->
     if missing:
         raise UpstreamDrift(f"{package_of(module_name)}: {module_name} no longer contains {missing[0]!r}; "
                             f"bridge_ext's '{fix}' needs updating for this release")
+
+
+def first_defined(name: str, *modules: str) -> Any:
+    """``name`` from the first of ``modules`` that is installed and defines it: a class upstream moved between
+    releases (e.g. ``PackedSequenceSpecs``: megatron-bridge 0.3-0.5 ``data.datasets.packed_sequence``, 0.6
+    ``data.packing.config``). :class:`UpstreamDrift` naming every home tried when none has it."""
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:  # a parent package is missing
+            found = None
+        if found is not None and hasattr(loaded := importlib.import_module(module), name):
+            return getattr(loaded, name)
+    raise UpstreamDrift(f"{package_of(modules[0])}: {name} is in none of {', '.join(modules)}; "
+                        f"bridge_ext needs its new home for this release")
 
 
 def signature_params(function: Any) -> frozenset[str]:

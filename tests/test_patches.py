@@ -476,3 +476,16 @@ def test_no_import_cycles_between_our_modules():
 
     for module in graph:
         visit(module, ())
+
+
+def test_a_moved_class_is_found_in_its_installed_home_or_named_as_drift():
+    """``stack.first_defined``: the first home that defines the name wins; none is one line naming every home."""
+    import json.decoder
+
+    from bridge_ext.stack import UpstreamDrift, first_defined
+
+    assert first_defined("JSONDecoder", "json.no_such_module", "json.decoder") is json.decoder.JSONDecoder
+    assert first_defined("JSONDecoder", "no_such_package.sub", "json") is json.decoder.JSONDecoder
+    with pytest.raises(UpstreamDrift) as info:
+        first_defined("NoSuchClass", "json", "json.decoder")
+    assert str(info.value).count("\n") == 0 and "json, json.decoder" in str(info.value)

@@ -26,20 +26,39 @@ def uses_packing(recipe: FinetuneRecipe, layout_name: str | None = None) -> bool
 
 def finetune_dataset(recipe: FinetuneRecipe, layout: Layout) -> Any:
     """``FinetuningDatasetConfig`` for ``layout`` (its root is set when the data is rendered)."""
-    from megatron.bridge.data.datasets.packed_sequence import PackedSequenceSpecs
     from megatron.bridge.training.config import FinetuningDatasetConfig
 
     from bridge_ext.finetune.data import sft_dataset_kwargs
+    from bridge_ext.stack import first_defined
+
+    PackedSequenceSpecs = first_defined("PackedSequenceSpecs", "megatron.bridge.data.datasets.packed_sequence",
+                                        "megatron.bridge.data.packing.config")
 
     packed = uses_packing(recipe, layout.cluster)
+    specs = PackedSequenceSpecs(packed_sequence_size=layout.seq_length,
+                                pad_seq_to_mult=2 * layout.cp if layout.cp > 1 else 1) if packed else None
     return FinetuningDatasetConfig(
-        dataset_root=None, seq_length=layout.seq_length, seed=5678, memmap_workers=1,
-        packed_sequence_specs=PackedSequenceSpecs(packed_sequence_size=layout.seq_length,
-                                                  pad_seq_to_mult=2 * layout.cp if layout.cp > 1 else 1)
-        if packed else None,
+        dataset_root=None, seq_length=layout.seq_length, seed=5678, memmap_workers=1, **_packing_fields(specs),
         dataset_kwargs={**sft_dataset_kwargs(), **({"pad_to_max_length": True} if packed else {})},
         do_validation=True, do_test=False, dataloader_type="batch", num_workers=1,
     )
+
+
+def _packing_fields(specs: Any) -> dict[str, Any]:
+    """Packing as the installed ``FinetuningDatasetConfig`` takes it: ``packed_sequence_specs`` (megatron-bridge
+    0.3-0.5), ``enable_offline_packing`` + ``offline_packing_specs`` (0.6, where it became ``GPTSFTDatasetConfig``)."""
+    import dataclasses
+
+    from megatron.bridge.training.config import FinetuningDatasetConfig
+
+    if "packed_sequence_specs" in {f.name for f in dataclasses.fields(FinetuningDatasetConfig)}:
+        return {"packed_sequence_specs": specs}
+    return {"enable_offline_packing": specs is not None, "offline_packing_specs": specs}
+
+
+def packing_specs(dataset: Any) -> Any:
+    """The dataset config's packing specs, or None (unpacked), under either release's field name."""
+    return getattr(dataset, "packed_sequence_specs", None) or getattr(dataset, "offline_packing_specs", None)
 
 
 def lora_config(recipe: FinetuneRecipe) -> Any:
@@ -66,8 +85,8 @@ def finetune_tokenizer_dir(recipe: FinetuneRecipe) -> str | None:
 def describe(cfg: Any) -> str:
     """One line on the data and the adapters, for the dry run's summary."""
     d = cfg.dataset
-    packing = (f"packed into {d.packed_sequence_specs.packed_sequence_size}-token sequences"
-               if d.packed_sequence_specs else "unpacked (padded per batch)")
+    specs = packing_specs(d)
+    packing = f"packed into {specs.packed_sequence_size}-token sequences" if specs else "unpacked (padded per batch)"
     peft = cfg.peft
     adapters = (f"LoRA dim {peft.dim} alpha {peft.alpha} on {', '.join(peft.target_modules)}; base frozen"
                 if peft is not None else "full fine-tuning (every weight trains)")

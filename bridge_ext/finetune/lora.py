@@ -21,17 +21,20 @@ MERGED_DIR = "merged"
 def merged_state_dict(chunk: Any) -> dict[str, Any]:
     """The chunk's weights with every LoRA adapter merged, under the names of the same model without adapters."""
     import torch
-    from megatron.bridge.peft.lora import LoRAMerge
     from megatron.bridge.peft.lora_layers import LoRALinear
 
-    merge = LoRAMerge()
+    from bridge_ext.stack import first_defined, signature_params
+
+    # megatron-bridge 0.3-0.5: peft/lora.py; 0.6: peft/lora_merge.py, with a required keyword tp_group (None: TP 1)
+    merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
+    unsharded = {"tp_group": None} if "tp_group" in signature_params(merge.merge) else {}
     merged = {}
     with torch.no_grad():
         for name, module in chunk.named_modules():
             if isinstance(module, LoRALinear) and hasattr(module.to_wrap, "weight"):
                 adapter = module.adapter
                 weight = merge.merge(module.to_wrap.weight, adapter.linear_out.weight, adapter.linear_in.weight,
-                                     adapter.alpha, adapter.dim).detach().clone()
+                                     adapter.alpha, adapter.dim, **unsharded).detach().clone()
                 # AdapterWrapper's state_dict names the base weight without ``to_wrap`` (checkpoint-compatible)
                 merged[f"{name}.weight"] = merged[f"{name}.to_wrap.weight"] = weight
         state, used = {}, 0

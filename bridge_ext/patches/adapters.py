@@ -20,7 +20,8 @@ from typing import Any
 
 from bridge_ext.stack import signature_params
 
-__all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template"]
+__all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template",
+           "sft_root_for_validate"]
 
 
 def pretrain_template():
@@ -178,3 +179,28 @@ def mixed_precision_for_validate(cfg: Any) -> Iterator[None]:
         yield
     finally:
         cfg.mixed_precision = name
+
+
+# What a fine-tuning dry run validates before ``--data`` is rendered (bridge_ext.finetune.run sets the root then).
+UNRENDERED_SFT_ROOT = "<rendered from --data at launch>"
+
+
+@contextlib.contextmanager
+def sft_root_for_validate(cfg: Any) -> Iterator[None]:
+    """``cfg.dataset.dataset_root`` named for the block where the installed SFT dataset config's ``validate()``
+    requires a source and none is rendered yet (the dry run: the data is rendered only at launch).
+
+    megatron-bridge 0.6's ``GPTSFTDatasetConfig.validate()`` (``FinetuningDatasetConfig`` became its deprecated
+    subclass) raises "Exactly one text-only SFT source must be set: dataset_root or hf_dataset"; 0.3-0.5 validate no
+    source. The placeholder is put back to None after, so nothing reaches a run."""
+    dataset = getattr(cfg, "dataset", None)
+    validate = getattr(type(dataset), "validate", None)
+    requires = validate is not None and "dataset_root or hf_dataset" in inspect.getsource(validate)
+    if not requires or getattr(dataset, "dataset_root", "") is not None or getattr(dataset, "hf_dataset", None):
+        yield
+        return
+    dataset.dataset_root = UNRENDERED_SFT_ROOT
+    try:
+        yield
+    finally:
+        dataset.dataset_root = None
