@@ -25,6 +25,7 @@ def quiet_megatron() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
     for name in ("megatron", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    _drop_optional_import_tracebacks()
 
 
 def megatron_warnings_once() -> None:
@@ -33,16 +34,9 @@ def megatron_warnings_once() -> None:
     A ``showwarning`` that drops repeats of a (category, text) already shown: the "once" filter action
     does not do it, CPython keeps its registry per module.
     """
-    import logging
     import warnings
 
-    # megatron-bridge 0.6's safe_import_from logs each optional symbol it cannot import at INFO with a full
-    # traceback (peft/utils.py asks megatron-core's TE extension for FP8GlobalStateManager on every machine without
-    # TE): a "Traceback" in every run's output that is no error. Its module sets that logger's level and handler at
-    # import, so a filter (which stays) drops them; warnings from there stay visible.
-    optional_imports = logging.getLogger("megatron.bridge.utils.import_utils")
-    if _warning_or_above not in optional_imports.filters:
-        optional_imports.addFilter(_warning_or_above)
+    _drop_optional_import_tracebacks()
     for category in (UserWarning, FutureWarning):  # undo a quiet_megatron() earlier in this process
         first = next((f[0] for f in warnings.filters if f[1] is None and f[3] is None and issubclass(category, f[2])),
                      "default")
@@ -60,6 +54,19 @@ def megatron_warnings_once() -> None:
 
     show_once._bridge_ext_once = True  # type: ignore[attr-defined]
     warnings.showwarning = show_once
+
+
+def _drop_optional_import_tracebacks() -> None:
+    """megatron-bridge 0.6's safe_import_from logs each optional symbol it cannot import at INFO with a full
+    traceback (peft/utils.py asks megatron-core's TE extension for FP8GlobalStateManager on every machine without
+    TE): a "Traceback" in every run's and dry run's output that is no error. Its module sets that logger's level and
+    handler at import (a parent's level does not reach it), so a filter (which stays) drops them; warnings from
+    there stay visible."""
+    import logging
+
+    optional_imports = logging.getLogger("megatron.bridge.utils.import_utils")
+    if _warning_or_above not in optional_imports.filters:
+        optional_imports.addFilter(_warning_or_above)
 
 
 def _warning_or_above(record) -> bool:
