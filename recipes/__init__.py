@@ -100,6 +100,11 @@ _PROXY_OVERRIDES = {
     "muon": {"optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3},
     "adamw": {"optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4},
 }
+# Where one proxy's own sweep (docs/cpu.md, 200 iterations, seeds 1234 and 2) found another best rate: the Moonlight
+# proxy's AdamW at 1e-2 ends 0.06-0.10 below 3e-3 on both seeds (2e-2 diverges), so its A/B runs AdamW at its best.
+_PROXY_OVERRIDES_BY_MODEL = {
+    ("moonlight_proxy", "adamw"): {"optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3},
+}
 _PROXY_COMMON = {"scheduler.lr_warmup_iters": 5, "train.train_iters": 50, "train.eval_interval": 1000,
                  "train.eval_iters": 0, "logger.log_interval": 5, "checkpoint.save_interval": 25}
 _PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only the run length "
@@ -121,7 +126,8 @@ def _compose() -> dict[str, Recipe]:
                 preset=preset,
                 layouts=LAYOUTS[model_name],
                 twin=f"{model_name}_{twin}",
-                overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix]} if proxy else {},
+                overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix],
+                           **_PROXY_OVERRIDES_BY_MODEL.get((model_name, suffix), {})} if proxy else {},
                 why=_PROXY_WHY if proxy else "",
                 preset_why=preset_why if suffix == "muon" else f"the A/B twin of {model_name}_muon",
             )
