@@ -24,6 +24,15 @@ import parallel_driver
 from bridge_ext.convert import export_hf, import_hf
 
 
+def moonlight_proxy_dir(out: Path, *, shard_bytes: int) -> Path:
+    """Random weights in the shipped Moonlight proxy config (DeepSeek-V3: MLA without a query low-rank, shared
+    experts, a dense first layer)."""
+    from recipes.models import MODELS as SPECS
+
+    raw = json.loads((SPECS["moonlight_proxy"].config_dir / "config.json").read_text())
+    return hf_fixtures.write_hf_dir(out, raw, dtype=raw["torch_dtype"], config_json=raw, seed=3, shard_bytes=shard_bytes)
+
+
 MODELS = {  # name -> (builder, kwargs): the released layout, transformers 5's fused experts, an fp8 release
     "qwen3": (hf_fixtures.qwen3_dir, {}),
     "qwen3_tied": (hf_fixtures.qwen3_tied_dir, {}),
@@ -31,6 +40,7 @@ MODELS = {  # name -> (builder, kwargs): the released layout, transformers 5's f
     "qwen3_moe_fused": (hf_fixtures.qwen3_moe_dir, {"expert_layout": "fused"}),
     "kimi_k2": (hf_fixtures.kimi_k2_dir, {}),
     "kimi_k2_fp8": (hf_fixtures.kimi_k2_fp8_dir, {"block": (16, 16)}),
+    "moonlight": (moonlight_proxy_dir, {}),
 }
 
 
@@ -70,7 +80,7 @@ def test_streamed_import_equals_the_model_built_checkpoint(both_ways, name, tmp_
     assert run["streamed"].notes == [] or all("converted through" not in n for n in run["streamed"].notes)
     streamed = load_torch_dist(root / "mg_stream" / "iter_0000000", tmp_path)
     built = load_torch_dist(root / "mg_model" / "iter_0000000", tmp_path)
-    assert any(".experts." in k for k in built) == ("moe" in name or "kimi" in name)
+    assert any(".experts." in k for k in built) == (name not in ("qwen3", "qwen3_tied"))  # the dense ones
     assert_bit_identical(streamed, built, name)
     assert run_config(root / "mg_stream") == run_config(root / "mg_model")
     for side in ("config.json", "conversion.json"):
