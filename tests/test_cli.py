@@ -23,7 +23,9 @@ def test_recipes_lists_every_recipe_with_preset_and_layout(capsys):
     code, out, _ = run_main(capsys, "llm", "recipes")
     assert code == 0
     lines = out.strip().splitlines()[1:]
-    assert len(lines) == 28 + 56  # 14 models x (muon, adamw) pre-training; x (sft, lora) x (muon, adamw) fine-tuning
+    # 14 models x (muon, adamw) pre-training; x (sft, lora) x (muon, adamw) fine-tuning; 8 released checkpoints
+    # (Kimi-K2-Instruct-0905, -Thinking, six Qwen3-2507) x (sft, lora) x (muon, adamw)
+    assert len(lines) == 28 + 56 + 32
     kimi = next(line for line in lines if line.startswith("kimi_k2_muon "))
     assert " kimi_k2 " in kimi and "gb300x256: TP1 PP4 VP4 EP64 DP64 GBS4096" in kimi and "h100x512" in kimi
     # fine-tuning: Megatron Bridge's packed SFT batch of 8 (one pack per DP rank on Kimi K2's DP64)

@@ -73,6 +73,7 @@ def expected_run(recipe_name: str, layout_name: str) -> dict[str, Any]:
         out["scheduler.lr_wsd_decay_iters"] = length["lr_wsd_decay_iters"]
     if proxy:
         out.update(REFERENCE["proxy_overrides"][optimizer])
+        out.update(REFERENCE["proxy_overrides"].get(f"{model}_{optimizer}", {}))
     return out
 
 
