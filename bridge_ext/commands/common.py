@@ -57,7 +57,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def error(text: str) -> None:
-    print(f"error: {text}", file=sys.stderr)
+    # one write of the whole line: under torchrun every rank prints it into the same pipe, and print()'s separate
+    # write of the newline let another rank's line land in between ("...sizeserror: ...")
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------------------------- ranks
