@@ -18,7 +18,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
         name, help="build one rank of a recipe's real layout on fake tensors: memory and NS FLOPs vs plan (no GPU)",
         description="One process acts as rank R of the layout's world: Megatron's parallel state, the rank's model "
                     "chunks, DDP buffers and optimizer (Megatron Bridge's setup_optimizer), on fake tensors; one "
-                    "optimizer step is counted. Each row beside nemo llm plan's number for the same rank.")
+                    "optimizer step is counted, and one micro-batch forward + backward (peak activation bytes, model FLOPs). "
+                    "Each row beside nemo llm plan's number for the same rank.")
     p.add_argument("--recipe", required=True)
     p.add_argument("--layout", help="a layout name from the recipe's list (default: its first); or layout=NAME")
     p.add_argument("--preset", help="another optimizer preset; or preset=NAME")
@@ -29,6 +30,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--no-step", action="store_true",
                    help="no optimizer step: the optimizer state as megatron-core allocates it before a checkpoint "
                         "load (no step counters); no Newton-Schulz FLOPs")
+    p.add_argument("--no-activations", action="store_true",
+                   help="skip the micro-batch forward + backward (peak activation bytes and model FLOPs of one "
+                        "micro-batch beside plan's; seconds on the proxies, minutes on the largest ranks)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: fake tensors (default); cuda: real tensors on this GPU with the recipe's own layer spec "
                         "(a rank that fits one GPU), reporting torch.cuda.max_memory_allocated")
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         ranks = select_ranks(args.ranks, world=layout.gpus, pp=layout.pp)
     else:
         ranks = tuple(args.rank or (0,))
-    results = rehearse(recipe, layout=layout.cluster, ranks=ranks, device=args.device, step=not args.no_step)
+    results = rehearse(recipe, layout=layout.cluster, ranks=ranks, device=args.device, step=not args.no_step,
+                       activations=not args.no_activations)
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=2))
     else:

@@ -2,7 +2,7 @@
 
 ``nemo llm rehearse`` (``bridge_ext.rehearse``) builds a rank's model, DDP buffers and optimizer through Megatron
 Bridge with every tensor a ``FakeTensor`` (shapes and dtypes, no memory) and a fake process group of the
-layout's world size (``torch.distributed``'s ``fake`` backend: collectives return at once). Four upstream spots
+layout's world size (``torch.distributed``'s ``fake`` backend: collectives return at once). Five upstream spots
 assume real tensors or a real world; each is changed only for the duration of a rehearsal
 (``patches.temporarily("rehearse")``):
 
@@ -22,6 +22,13 @@ assume real tensors or a real world; each is changed only for the duration of a 
 * ``local-l2-norm-fake``: without Transformer Engine or apex, ``clip_grads.py`` computes the gradient norm with
   ``utils.local_multi_tensor_l2_norm``, which builds ``torch.tensor(list of tensors)`` (reads their data) and
   ``float()`` of the result; replaced by the same norm with ``torch.stack``.
+* ``fake-balanced-moe-dispatch``: the micro-batch forward + backward a rehearsal measures (activations, model
+  FLOPs) routes tokens to experts; the ``allgather`` dispatcher's ``dispatch_postprocess`` sizes its output by
+  the routing (``masked_select``, ``tokens_per_expert.tolist()``), which fake tensors have no data for. On fake
+  tensors it takes megatron-core's own drop-and-pad path of ``permute`` with a perfectly balanced load: every
+  expert receives ``ceil(tokens x top-k / experts)`` of the gathered tokens (what
+  ``moe_router_force_load_balancing`` aims at), ``tokens_per_expert`` a real tensor of those counts. Real
+  tensors take the upstream code.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 
 from bridge_ext.patches.core import Patch, rewrite
 
-__all__ = ["PATCHES"]
+__all__ = ["PATCHES", "balanced_capacity"]
 
 _REHEARSE: dict[str, Any] = {"area": "rehearse", "scope": "rehearse"}
 
@@ -125,6 +132,42 @@ def _l2_norm_without_data(chunk_size: int, noop_flag: Any, tensor_lists: Any, pe
     return total.reshape(1).float(), None
 
 
+# --- megatron-core token_dispatcher.py MoEAllGatherTokenDispatcher.dispatch_postprocess ------------------------
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+
+
+def balanced_capacity(tokens: int, top_k: int, experts: int) -> int:
+    """Tokens each expert receives under a perfectly balanced router: ``ceil(tokens x top_k / experts)``."""
+    return -(-tokens * top_k // experts)
+
+
+def _balanced_dispatch_on_fake(dispatch_postprocess: Any) -> Any:
+    def dispatch_postprocess_balanced(self: Any, hidden_states: Any, probs: Any) -> Any:
+        import torch
+        from megatron.core.transformer.moe.moe_utils import permute
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(hidden_states, FakeTensor):
+            return dispatch_postprocess(self, hidden_states, probs)
+        self.hidden_shape_before_permute = hidden_states.shape
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.local_map = self.routing_map[:, first:last].contiguous()
+        local_probs = probs[:, first:last].contiguous()
+        capacity = balanced_capacity(hidden_states.shape[0], self.config.moe_router_topk,
+                                     self.config.num_moe_experts)
+        # megatron-core's own static-shape path (argsort, the first `capacity` tokens of each expert)
+        permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
+            hidden_states, self.local_map, probs=local_probs, num_out_tokens=capacity * (last - first),
+            fused=False, drop_and_pad=True)
+        with torch._C._DisableTorchDispatch():  # a real tensor: SequentialMLP reads it (tolist)
+            tokens_per_expert = torch.full((last - first,), capacity, dtype=torch.long)
+        self.routing_map = None
+        return permuted, tokens_per_expert, self.local_probs
+
+    dispatch_postprocess_balanced.__wrapped__ = dispatch_postprocess
+    return dispatch_postprocess_balanced
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="fake-parameter-conversion", module="torch.utils", attr="swap_tensors", **_REHEARSE,
@@ -167,5 +210,19 @@ PATCHES: tuple[Patch, ...] = (
         needed=_local_l2_norm_in_use,
         snippets=("l2_norm_impl = local_multi_tensor_l2_norm",),
         make=lambda old: _l2_norm_without_data,
+    ),
+    Patch(
+        name="fake-balanced-moe-dispatch", module=_DISPATCHER,
+        attr="MoEAllGatherTokenDispatcher.dispatch_postprocess", **_REHEARSE,
+        upstream="megatron/core/transformer/moe/token_dispatcher.py MoEAllGatherTokenDispatcher.dispatch_postprocess",
+        when="during a rehearsal's micro-batch forward + backward, on fake tensors only",
+        why="the dispatcher sizes its output by the routing (masked_select, tokens_per_expert.tolist()), which fake "
+            "tensors have no data for; on fake tensors megatron-core's drop-and-pad permute with a balanced load "
+            "(ceil(tokens x top-k / experts) per expert)",
+        snippets=("tokens_per_expert = self.local_map.sum(dim=0).long().cpu()",
+                  "self.local_probs = self.local_probs.T.contiguous().masked_select("),
+        elsewhere=(("megatron.core.transformer.moe.moe_utils", ("if drop_and_pad and not (num_out_tokens is None):",
+                                                                "capacity = num_out_tokens // num_experts")),),
+        make=_balanced_dispatch_on_fake,
     ),
 )

@@ -34,8 +34,8 @@ from bridge_ext.plan.ranks import RankParams, Tensor
 from recipes.architecture import Architecture
 from recipes.layouts import Layout
 
-__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "layer_wise_share", "model_state", "ns_flops_on_rank",
-           "verdict"]
+__all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "holds_logits", "layer_wise_share", "model_state",
+           "ns_flops_on_rank", "verdict"]
 
 GB = 2**30  # GiB: nvidia-smi's unit; the datasheets' "80 GB" H100 has 81,559 MiB
 # Memory per GPU as NVIDIA's datasheets state it, taken as GiB.
@@ -184,6 +184,12 @@ def _mlp_elements(arch: Architecture, moe: bool, drop: set[str]) -> tuple[float,
     return other, gemm
 
 
+def holds_logits(arch: Architecture, layout: Layout, rank: RankParams) -> bool:
+    """Whether pipeline rank ``rank`` computes the logits (its output layer, or the tied embedding at PP1)."""
+    names = {t.name for t in rank.tensors}
+    return "output_layer.weight" in names or (layout.pp == 1 and arch.tie_word_embeddings)
+
+
 def activation_bytes(arch: Architecture, layout: Layout, rank: RankParams, *, micro_batches: int,
                      recompute: dict[str, Any]) -> float:
     """Activation memory of pipeline rank ``rank`` (bytes, estimate; see the module docstring)."""
@@ -214,7 +220,6 @@ def activation_bytes(arch: Architecture, layout: Layout, rank: RankParams, *, mi
     else:
         in_flight = min(pp - rank.pp_rank, micro_batches)
     total = stage * in_flight + live
-    names = {t.name for t in rank.tensors}
-    if "output_layer.weight" in names or (pp == 1 and arch.tie_word_embeddings):
+    if holds_logits(arch, layout, rank):
         total += tokens * (arch.hidden_size * value + arch.vocab_size * 4)  # output-layer input, fp32 logits
     return total

@@ -13,6 +13,13 @@ data-parallel and expert-data-parallel rank).
 ``device="cuda"`` (a GPU, Transformer Engine): the same rank with real tensors on the GPU and the recipe's own
 layer spec; ``torch.cuda.max_memory_allocated`` is reported beside the objects' bytes. For recipes whose rank
 fits one GPU (the Qwen3 proxies, ``qwen3_0p6b``).
+
+``activations=True`` (the default): before the step, one micro-batch forward + backward through the rank's
+chunks (``bridge_ext.rehearse.activations``: MBS and sequence length as the layout has them), its peak
+activation bytes beside ``plan``'s estimate (``bridge_ext.plan.memory.activation_bytes`` for one micro-batch in
+flight) and its model FLOPs (``FlopCounterMode``) beside Megatron Bridge's counter for the rank's layers
+(``bridge_ext.plan.flops.model_flops_on_rank``). A model or stage that cannot run on fake tensors is reported
+as not measured, with the reason.
 """
 
 from __future__ import annotations
@@ -73,12 +80,22 @@ class Rehearsal:
     peak_rss_gb: float
     cuda_max_allocated: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # one micro-batch forward + backward: measured / planned activation bytes and model FLOPs, the attention
+    # kernels run, MBS and sequence length (None: not run); micro_batch_skipped: why it was not measured
+    micro_batch: dict[str, Any] | None = None
+    micro_batch_skipped: str | None = None
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(component, rehearsal, plan) for every compared quantity."""
         out = [(name, self.measured[key], self.planned[key]) for name, key in _ROWS]
         if self.ns_flops is not None:
             out.append(("Newton-Schulz FLOPs per step", self.ns_flops, self.planned_ns_flops))
+        if self.micro_batch is not None:
+            mb = self.micro_batch
+            out += [(ACTIVATIONS, mb["peak_activation_bytes"], mb["planned_activation_bytes"]),
+                    (SQUARE, mb["square_bytes"], 0),
+                    (WITHOUT_SQUARE, mb["peak_activation_bytes"] - mb["square_bytes"], mb["planned_activation_bytes"]),
+                    (MODEL_FLOPS, mb["model_flops"], mb["planned_model_flops"])]
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -89,13 +106,18 @@ class Rehearsal:
             "ns_flops": self.ns_flops, "planned_ns_flops": self.planned_ns_flops,
             "ratios": {name: (a / b if b else None) for name, a, b in self.rows()},
             "seconds": self.seconds, "peak_rss_gb": self.peak_rss_gb, "cuda_max_allocated": self.cuda_max_allocated,
+            "micro_batch": self.micro_batch, "micro_batch_skipped": self.micro_batch_skipped,
             "notes": list(self.notes),
         }
 
 
 _ROWS = (("parameters", "params"), ("  of them experts", "expert_params"), ("weights", "weights"),
          ("grad buffer", "grads"), ("fp32 main params", "main_params"), ("optimizer state", "optimizer_state"))
-_BYTES = {"weights", "grad buffer", "fp32 main params", "optimizer state"}
+ACTIVATIONS = "activations, one micro-batch"
+SQUARE = "  of them s x s attention"
+WITHOUT_SQUARE = "  activations less s x s"
+MODEL_FLOPS = "model FLOPs, one micro-batch"
+_BYTES = {"weights", "grad buffer", "fp32 main params", "optimizer state", ACTIVATIONS, SQUARE, WITHOUT_SQUARE}
 
 
 def select_ranks(text: str, *, world: int, pp: int) -> tuple[int, ...]:
@@ -144,8 +166,45 @@ def _planned(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tupl
     return kind, footprint, ns_flops_on_rank(stage, layout, kind, dp_rank=where.dp, expert_dp_rank=where.expert_dp)
 
 
+def _planned_micro_batch(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tuple[float, float]:
+    """``plan``'s activation bytes (one micro-batch in flight, the layout's recompute settings) and Megatron
+    Bridge's model FLOPs of one micro-batch on this rank's layers."""
+    from bridge_ext.plan import pipeline_ranks
+    from bridge_ext.plan.flops import model_flops_on_rank
+    from bridge_ext.plan.memory import activation_bytes, holds_logits
+
+    arch = recipe.model.architecture
+    stage = pipeline_ranks(recipe, layout, spec=spec)[where.pp]
+    planned_bytes = activation_bytes(arch, layout, stage, micro_batches=1, recompute=dict(layout.model))
+    flops = model_flops_on_rank(arch, layers=stage.layers, logits=holds_logits(arch, layout, stage),
+                                seq_length=layout.seq_length, tp=layout.tp, cp=layout.cp, etp=layout.etp,
+                                micro_batch_size=layout.micro_batch_size)
+    return planned_bytes, flops
+
+
+def _run_micro_batch(model: list[Any], cfg: Any, layout: Any, *, device: Device) -> dict[str, Any]:
+    import torch
+
+    from bridge_ext.rehearse.activations import attention_paths, micro_batch
+
+    m = cfg.model
+    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    start = time.perf_counter()
+    measured = micro_batch(model, micro_batch_size=layout.micro_batch_size, seq_length=layout.seq_length,
+                           hidden_size=m.hidden_size, tp=layout.tp, cp=layout.cp,
+                           sequence_parallel=bool(m.sequence_parallel), dtype=dtype,
+                           device="cuda" if device == "cuda" else "cpu")
+    return {"peak_activation_bytes": measured.peak_bytes, "square_bytes": measured.square_bytes,
+            "model_flops": measured.flops,
+            "flops_by_op": measured.flops_by_op, "micro_batch_size": measured.micro_batch_size,
+            "seq_length": measured.seq_length, "chunks": measured.chunks, "attention": attention_paths(model),
+            "recompute": {k: getattr(m, k, None) for k in ("recompute_granularity", "recompute_method",
+                                                           "recompute_num_layers", "recompute_modules")},
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
 def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, step: bool,
-              notes: list[str]) -> Rehearsal:
+              notes: list[str], activations: bool = True) -> Rehearsal:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -170,27 +229,40 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
         with tensors, contextlib.redirect_stdout(sys.stderr):  # Megatron's prints: stdout is the report's
             model, optimizer = build_rank(cfg, use_cpu_initialization=device == "cpu")
             seconds["build"] = time.perf_counter() - start - seconds["parallel_state"]
+            micro, skipped = None, None
+            if activations:
+                try:
+                    micro = _run_micro_batch(model, cfg, layout, device=device)
+                except Exception as error:  # noqa: BLE001 - reported as "not measured: <reason>"
+                    skipped = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                seconds["micro_batch"] = time.perf_counter() - start - seconds["parallel_state"] - seconds["build"]
             ns_flops = None
             if step:
                 counter = FlopCounterMode(display=False)
                 with counter:
                     optimizer.step()
                 ns_flops = counter.get_total_flops()
-                seconds["step"] = time.perf_counter() - start - seconds["parallel_state"] - seconds["build"]
+                seconds["step"] = (time.perf_counter() - start - seconds["parallel_state"] - seconds["build"]
+                                   - seconds.get("micro_batch", 0.0))
             else:
                 initialize_state(optimizer)
         measured = footprint(model, optimizer).as_dict()
         built = describe_optimizer(optimizer)
         cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         del model, optimizer
-    kind, planned, planned_ns = _planned(recipe, layout, where, spec="local" if device == "cpu" else "te")
+    spec = "local" if device == "cpu" else "te"
+    kind, planned, planned_ns = _planned(recipe, layout, where, spec=spec)
+    if micro is not None:
+        micro["planned_activation_bytes"], micro["planned_model_flops"] = _planned_micro_batch(
+            recipe, layout, where, spec=spec)
     seconds["total"] = time.perf_counter() - start
     return Rehearsal(recipe=recipe.name, preset=recipe.preset.name, layout=layout.cluster, device=device,
                      parallel=layout.parallelism(), coordinates=where, optimizer=built, planned_optimizer=kind,
                      measured=measured, planned=planned, ns_flops=ns_flops, planned_ns_flops=planned_ns,
                      seconds={k: round(v, 2) for k, v in seconds.items()},
                      peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                     cuda_max_allocated=cuda_peak, notes=tuple(notes))
+                     cuda_max_allocated=cuda_peak, notes=tuple(notes), micro_batch=micro,
+                     micro_batch_skipped=skipped)
 
 
 def with_layout_overrides(recipe: Any, layout: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
@@ -223,13 +295,15 @@ def with_layout_overrides(recipe: Any, layout: str | None, overrides: Sequence[s
 
 
 def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = None, ranks: Sequence[int] = (0,),
-             device: Device = "cpu", step: bool = True, overrides: Sequence[str] = ()) -> tuple[Rehearsal, ...]:
+             device: Device = "cpu", step: bool = True, overrides: Sequence[str] = (),
+             activations: bool = True) -> tuple[Rehearsal, ...]:
     """Rehearse ``ranks`` of ``recipe`` (a name or ``recipes.Recipe``) on ``layout`` (default: the recipe's first)
     with optimizer ``preset`` (default: the recipe's). ``step``: run one optimizer step (the state a step leaves,
     Newton-Schulz FLOPs); otherwise the state is allocated as megatron-core does before a checkpoint load
     (``measure.initialize_state``: the same tensors, without Adam's step counters) and no FLOPs are counted.
-    ``overrides``: layout sizes (:func:`with_layout_overrides`). Only each rank's own objects are built, one rank
-    at a time."""
+    ``overrides``: layout sizes (:func:`with_layout_overrides`). ``activations``: one micro-batch forward +
+    backward before the step (peak activation bytes, model FLOPs; see the module). Only each rank's own objects
+    are built, one rank at a time."""
     import torch
 
     from bridge_ext import patches
@@ -262,12 +336,15 @@ def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = Non
     install_preset(recipe.preset)  # Newton-Schulz coefficients, the gate/up split: what the step runs
     cfg, notes = rehearsal_config(recipe, layout=chosen.cluster, device=device)
     with patches.temporarily("rehearse"):
-        return tuple(_one_rank(recipe, chosen, cfg, rank, device=device, step=step, notes=notes) for rank in ranks)
+        return tuple(_one_rank(recipe, chosen, cfg, rank, device=device, step=step, notes=notes,
+                               activations=activations) for rank in ranks)
 
 
 # ------------------------------------------------------------------------------------------------ output
 def _value(name: str, value: float) -> str:
     if name in _BYTES:
+        if name in (ACTIVATIONS, SQUARE, WITHOUT_SQUARE) and value < GB:
+            return f"{value / 2**20:,.2f} MiB"
         return f"{value / GB:,.3f} GiB"
     return f"{value:.4e}" if "FLOPs" in name else f"{value:,}"
 
@@ -285,6 +362,13 @@ def format_rehearsal(result: Rehearsal) -> str:
     for name, measured, planned in result.rows():
         ratio = f"{measured / planned:.4f}" if planned else "-"
         lines.append(f"  {name:<30}{_value(name, measured):>24}{_value(name, planned):>24}{ratio:>10}")
+    if result.micro_batch_skipped is not None:
+        lines.append(f"  {'one micro-batch fwd + bwd':<30}not measured: {result.micro_batch_skipped}")
+    if result.micro_batch is not None:
+        mb = result.micro_batch
+        lines.append(f"  micro-batch: MBS {mb['micro_batch_size']} x seq {mb['seq_length']}, {mb['chunks']} chunk(s), "
+                     f"attention {', '.join(a.rsplit('.', 1)[-1] for a in mb['attention']) or '-'}; "
+                     f"{mb['seconds']:.1f} s")
     if result.cuda_max_allocated is not None:
         lines.append(f"  {'torch.cuda.max_memory_allocated':<30}{_value('weights', result.cuda_max_allocated):>24}")
     lines += [f"  note: {n}" for n in result.notes]
