@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_io import read_global_tensors
 
 from bridge_ext import commands
 from bridge_ext.patches import muon_bugs, qk_clip
@@ -238,19 +239,6 @@ def _losses(run: Path) -> dict[int, float]:
     return read_losses(run / "losses.jsonl")
 
 
-def _tensors(iteration_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint as its global tensor, by key (any layout wrote it)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(iteration_dir))
-    metadata = reader.read_metadata()
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
-
-
 def _param_groups(iteration_dir: Path) -> list[dict]:
     """The optimizers' param groups as saved (the common state: common.pt in megatron-core 0.16, inside the DCP
     files in 0.19, read by its own loader; ``params`` left out), every chained optimizer's."""
@@ -273,7 +261,8 @@ def _check_resume_equals_the_straight_run(runs: dict[str, Path]) -> None:
     """PR 6920: DP2 layer-wise Muon resumed from iteration 1 computes iteration 2 as the straight run did:
     the same loss and, bit for bit, every weight, Muon momentum and Adam state it saves."""
     assert _losses(runs["R"]) == {2: _losses(runs["S"])[2]}
-    resumed, straight = _tensors(runs["R"] / "iter_0000002"), _tensors(runs["S"] / "iter_0000002")
+    resumed = read_global_tensors(runs["R"] / "iter_0000002")
+    straight = read_global_tensors(runs["S"] / "iter_0000002")
     assert resumed.keys() == straight.keys()
     assert any(k.startswith("optimizer.state.momentum_buffer.") for k in straight)  # Muon's state is in there
     different = [k for k in straight if not torch.equal(resumed[k], straight[k])]
@@ -289,7 +278,8 @@ def _check_pp2_checkpoint_with_overridden_groups_loads(runs: dict[str, Path]) ->
     twins = [g for g in saved if g["max_lr"] != DECOUPLED_LR and all(g[k] == decoupled[0][k] for k in identity)]
     assert len(decoupled) == 1 and twins, saved  # what megatron-core 0.16-0.18 could not tell apart
     assert abs(_losses(runs["P2"])[3] - _losses(runs["S"])[3]) <= 2e-6
-    got, expected = _tensors(runs["P2"] / "iter_0000003"), _tensors(runs["S"] / "iter_0000003")
+    got = read_global_tensors(runs["P2"] / "iter_0000003")
+    expected = read_global_tensors(runs["S"] / "iter_0000003")
     assert got.keys() == expected.keys()
     worst = {k: (got[k] - expected[k]).abs().max().item() for k in expected}
     assert max(worst.values()) <= 2e-4, worst  # measured 0; another group's lr moves Adam's weights ~4e-3

@@ -25,9 +25,10 @@ def merged_state_dict(chunk: Any) -> dict[str, Any]:
 
     from bridge_ext.stack import first_defined, signature_params
 
-    # megatron-bridge 0.3-0.5: peft/lora.py; 0.6: peft/lora_merge.py, with a required keyword tp_group (None: TP 1)
+    # megatron-bridge 0.3-0.5: peft/lora.py; 0.6: peft/lora_merge.py. The merge of one process (TP 1) in each
+    # signature: 0.5 requires the keywords tp_size and tp_group, 0.6 tp_group only (None: TP 1)
     merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
-    unsharded = {"tp_group": None} if "tp_group" in signature_params(merge.merge) else {}
+    unsharded = {k: v for k, v in (("tp_size", 1), ("tp_group", None)) if k in signature_params(merge.merge)}
     merged = {}
     with torch.no_grad():
         for name, module in chunk.named_modules():
