@@ -348,3 +348,30 @@ def test_rehearse_command_reports_the_micro_batch_beside_plan(nemo, cpu_mode):
     assert skipped.code == 0, skipped.stderr[-2000:]
     (result,) = json.loads(skipped.stdout)
     assert result["micro_batch"] is None and "activations, one micro-batch" not in result["ratios"]
+
+
+@pytest.mark.slow
+def test_qwen3_8b_rank0_micro_batch_by_hand(cpu_mode):
+    """Qwen3-8B h100x8 rank 0 (TP4 with sequence parallelism, MBS 1 x 4096, bf16): the micro-batch's FLOPs and its
+    s x s bytes by hand (config.json: 36 layers, 32 heads of 128, 8 KV groups, FFN 12,288, vocabulary 151,936), and
+    plan's rows. 16 s for the micro-batch on the loaded 2-core machine (the build and step as before)."""
+    (rehearsed,) = rehearse("qwen3_8b_muon", layout="h100x8", ranks=(0,), step=False)
+    mb = rehearsed.micro_batch
+    assert rehearsed.micro_batch_skipped is None and mb is not None
+    tokens, seq, layers, tp, h = 4096, 4096, 36, 4, 4096
+    # GEMM parameters of the TP rank: QKV, out, fc1 (gate + up) and fc2 over TP4, the output layer's vocab shard
+    matmul = layers * ((32 + 2 * 8) * 128 * h + 32 * 128 * h + 3 * 12288 * h) // tp + 151936 * h // tp
+    core = 6 * tokens * seq * (32 // tp) * (128 + 128) * layers  # the local path's whole s x s, fwd + 2 bwd
+    assert mb["flops_by_op"]["aten.mm"] == 6 * matmul * tokens
+    assert mb["model_flops"] == 6 * matmul * tokens + core
+    # Megatron Bridge's counter for the rank counts the causal half of the s x s products: the rest is equal
+    assert mb["planned_model_flops"] == pytest.approx(6 * matmul * tokens + core / 2, rel=1e-3)
+    # DotProductAttention keeps, per layer, the bf16 softmax probabilities [1, 8, s, s] and a bool causal mask
+    # [s, s] (the 268 MB scores buffer is one, shared, and flat)
+    assert mb["square_bytes"] == layers * (1 * (32 // tp) * seq * seq * 2 + seq * seq) == 10_267_656_192
+    # plan (flash attention: no s x s tensors; fused norms and SwiGLU): 5.30 GiB; without the s x s tensors the
+    # local path keeps 2.05 x that (docs/launch.md itemizes it: fp32 norm copies, unfused SwiGLU, q/k/v copies)
+    assert mb["planned_activation_bytes"] == pytest.approx(5_689_049_088, rel=1e-6)
+    ratios = rehearsed.to_json()["ratios"]
+    assert ratios["  activations less s x s"] == pytest.approx(2.053, rel=0.01)
+    assert ratios["activations, one micro-batch"] == pytest.approx(3.858, rel=0.01)

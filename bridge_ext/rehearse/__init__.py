@@ -195,7 +195,7 @@ def _run_micro_batch(model: list[Any], cfg: Any, layout: Any, *, device: Device)
                            sequence_parallel=bool(m.sequence_parallel), dtype=dtype,
                            device="cuda" if device == "cuda" else "cpu")
     return {"peak_activation_bytes": measured.peak_bytes, "square_bytes": measured.square_bytes,
-            "model_flops": measured.flops,
+            "peak_by_op": measured.peak_by_op, "model_flops": measured.flops,
             "flops_by_op": measured.flops_by_op, "micro_batch_size": measured.micro_batch_size,
             "seq_length": measured.seq_length, "chunks": measured.chunks, "attention": attention_paths(model),
             "recompute": {k: getattr(m, k, None) for k in ("recompute_granularity", "recompute_method",

@@ -22,7 +22,9 @@ What Megatron's pipeline schedule does with one micro-batch on one rank, on what
 
 from __future__ import annotations
 
+import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,21 +45,26 @@ class LiveBytes(TorchDispatchMode):
     Storages that existed before the mode was entered are never counted. ``square``: a sequence length; the
     bytes of tensors whose last two dimensions are ``square x square`` (attention scores, probabilities, masks:
     what a kernel without flash attention materializes) are also kept apart, ``square_at_peak`` being their
-    share of ``peak``."""
+    share of ``peak``. ``at_peak``: the bytes live at the peak by the op (and dtype) that made them."""
 
-    def __init__(self, square: int | None = None) -> None:
+    def __init__(self, square: int | None = None, where: Callable[[], str] | None = None) -> None:
         super().__init__()
+        self._where = where
         self.current = 0
         self.peak = 0
         self.square = square
         self.current_square = 0
         self.square_at_peak = 0
-        self._live: dict[StorageWeakRef, tuple[int, Any, bool]] = {}
+        self.at_peak: dict[str, int] = {}
+        self._by_op: dict[str, int] = {}
+        self._op = ""
+        self._live: dict[StorageWeakRef, tuple[int, Any, bool, str]] = {}
 
     def _release(self, key: StorageWeakRef, nbytes: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= nbytes
+            self._by_op[entry[3]] -= nbytes
             if entry[2]:
                 self.current_square -= nbytes
 
@@ -69,17 +76,23 @@ class LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         square = self.square is not None and tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == (self.square,) * 2
         ref = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self._release(key, nbytes))
-        self._live[key] = (nbytes, ref, square)
+        label = f"{self._op} {str(tensor.dtype).removeprefix('torch.')}"
+        if self._where is not None:
+            label = f"{self._where()}: {label}"
+        self._live[key] = (nbytes, ref, square, label)
         self.current += nbytes
+        self._by_op[label] = self._by_op.get(label, 0) + nbytes
         self.current_square += nbytes if square else 0
         if self.current > self.peak:
             self.peak, self.square_at_peak = self.current, self.current_square
+            self.at_peak = dict(self._by_op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             return out
+        self._op = f"{func.namespace}.{func.__name__.split('.')[0]}"
         # an output on an input's storage (a view, an in-place result) is not a new allocation
         inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.layout == torch.strided}
@@ -98,6 +111,7 @@ class LiveBytes(TorchDispatchMode):
 class MicroBatch:
     peak_bytes: int  # peak of the bytes created during the forward + backward and still alive
     square_bytes: int  # of them, in [..., seq, seq] tensors (attention scores, probabilities, masks)
+    peak_by_op: dict[str, int]  # bytes live at the peak by module, op and dtype that made them, largest first
     flops: int  # FlopCounterMode's total over the forward + backward
     flops_by_op: dict[str, int]
     micro_batch_size: int
@@ -116,6 +130,18 @@ def attention_paths(model: list[Any]) -> list[str]:
     return list(seen)
 
 
+def _module_label(parents: set[str]) -> str:
+    """The innermost module running, layer numbers as ``*`` (``decoder.layers.*.mlp.linear_fc1``)."""
+    inner = max(parents, key=lambda name: name.count("."), default="")
+    for root in ("decoder.", "embedding.", "output_layer"):
+        if root in inner:
+            inner = inner[inner.index(root):]
+            break
+    else:
+        inner = inner.rsplit(".", 1)[-1] if "." in inner else inner
+    return re.sub(r"\.\d+(?=\.|$)", ".*", inner) or "-"
+
+
 def _unwrapped(chunk: Any, attr: str) -> Any:
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -127,15 +153,18 @@ def micro_batch(model: list[Any], *, micro_batch_size: int, seq_length: int, hid
     """Forward + backward of one micro-batch through ``model`` (this rank's DDP-wrapped chunks), measured."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from torch.utils.module_tracker import ModuleTracker
+
     seq = seq_length // cp
-    tracker = LiveBytes(square=seq)
+    modules = ModuleTracker()
+    tracker = LiveBytes(square=seq, where=lambda: _module_label(modules.parents))
     counter = FlopCounterMode(display=False)
     for chunk in model:
         chunk.train()
         zero = getattr(chunk, "zero_grad_buffer", None)
         if zero is not None:
             zero()
-    with tracker, counter:
+    with modules, tracker, counter:
         outputs = []
         for chunk in model:
             pre, post = _unwrapped(chunk, "pre_process"), _unwrapped(chunk, "post_process")
@@ -161,6 +190,8 @@ def micro_batch(model: list[Any], *, micro_batch_size: int, seq_length: int, hid
     tracker.forget()
     for chunk in model:
         _unwrapped(chunk, "set_input_tensor")(None)
-    by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
-    return MicroBatch(peak_bytes=tracker.peak, square_bytes=tracker.square_at_peak, flops=int(counter.get_total_flops()), flops_by_op=by_op,
+    flops_by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    by_op = dict(sorted(((k, v) for k, v in tracker.at_peak.items() if v), key=lambda kv: -kv[1]))
+    return MicroBatch(peak_bytes=tracker.peak, square_bytes=tracker.square_at_peak, peak_by_op=by_op,
+                      flops=int(counter.get_total_flops()), flops_by_op=flops_by_op,
                       micro_batch_size=micro_batch_size, seq_length=seq_length, chunks=len(model))
