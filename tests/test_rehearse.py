@@ -375,3 +375,20 @@ def test_qwen3_8b_rank0_micro_batch_by_hand(cpu_mode):
     ratios = rehearsed.to_json()["ratios"]
     assert ratios["  activations less s x s"] == pytest.approx(2.053, rel=0.01)
     assert ratios["activations, one micro-batch"] == pytest.approx(3.858, rel=0.01)
+
+
+@pytest.mark.slow
+def test_a_micro_batch_that_cannot_run_is_reported_not_failed(cpu_mode, monkeypatch):
+    """A forward that fails on fake tensors leaves the rank's other rows and says why, in the text and --json."""
+    from bridge_ext.rehearse import activations, format_rehearsal
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("aten.nonzero: data-dependent output shape\nsecond line")
+
+    monkeypatch.setattr(activations, "micro_batch", refuses)
+    (rehearsed,) = rehearse("qwen3_proxy_muon", ranks=(0,), step=False)
+    result = rehearsed.to_json()
+    assert result["micro_batch"] is None
+    assert result["micro_batch_skipped"] == "RuntimeError: aten.nonzero: data-dependent output shape"
+    assert "not measured: RuntimeError: aten.nonzero" in format_rehearsal(rehearsed)
+    assert result["measured"]["params"] == result["planned"]["params"] == 622_976
