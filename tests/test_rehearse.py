@@ -392,3 +392,28 @@ def test_a_micro_batch_that_cannot_run_is_reported_not_failed(cpu_mode, monkeypa
     assert result["micro_batch_skipped"] == "RuntimeError: aten.nonzero: data-dependent output shape"
     assert "not measured: RuntimeError: aten.nonzero" in format_rehearsal(rehearsed)
     assert result["measured"]["params"] == result["planned"]["params"] == 622_976
+
+
+@pytest.mark.slow
+def test_qwen3_235b_rank0_micro_batch_flops_by_hand(cpu_mode):
+    """Qwen3-235B-A22B h100x128 rank 0 (TP2 with sequence parallelism, EP16, ETP1; 11 layers, MBS 1 x 4096;
+    selective recompute of core_attn): the routed experts' FLOPs are 1/TP of the micro-batch's (the rank enters the
+    MoE layer with its 2,048 sequence-parallel tokens, the allgather dispatcher gathers the ETP x EP group's, 16 x
+    2,048, and its 8 of 128 experts get 8 x 2,048 x 16 / 128 = 2,048 each); the recomputed core attention runs its
+    forward twice. By hand from config.json (64 heads of 128, 4 KV groups, hidden 4,096, 128 experts of 1,536,
+    top-8)."""
+    (rehearsed,) = rehearse("qwen3_235b_a22b_muon", layout="h100x128", ranks=(0,), step=False)
+    mb = rehearsed.micro_batch
+    assert rehearsed.micro_batch_skipped is None and mb is not None
+    tokens, seq, layers, tp, h, heads = 4096, 4096, 11, 2, 4096, 64
+    attention = ((heads + 2 * 4) * 128 * h + heads * 128 * h) // tp  # QKV and out, TP rank's shard
+    router = h * 128  # replicated, on the rank's 2,048 sequence-parallel tokens
+    experts = 3 * h * 1536  # per routed token, ETP1
+    gemms = 6 * layers * (attention * tokens + router * tokens // tp + experts * tokens * 8 // tp)
+    assert mb["flops_by_op"]["aten.mm"] == gemms
+    core_forward = 2 * 2 * tokens * seq * (heads // tp) * 128  # QK^T and PV over the whole s x s
+    assert mb["model_flops"] == gemms + layers * (3 * core_forward + core_forward)  # + the recomputed forward
+    # Megatron Bridge's counter for the rank (1/TP of the 11 layers' terms): no router, the causal half of the
+    # attention once, no recomputation
+    assert mb["planned_model_flops"] == pytest.approx(
+        gemms - 6 * layers * router * tokens // tp + layers * 3 * core_forward / 2, rel=2e-3)

@@ -169,34 +169,34 @@ def _counted(fields: dict[str, Any], sequences: int) -> float:
 
 
 def model_flops_on_rank(arch: Architecture, *, layers: tuple[int, ...], logits: bool, seq_length: int, tp: int,
-                        cp: int = 1, etp: int = 1, micro_batch_size: int = 1) -> float:
+                        cp: int = 1, micro_batch_size: int = 1) -> float:
     """Megatron Bridge's model FLOPs for one micro-batch on one rank: the counter's terms for the decoder
-    ``layers`` the rank holds (and the logits when it holds the output layer), split as megatron-core splits
-    the work: attention, dense MLPs, shared experts and the output layer over TP x CP (each TP rank computes
-    its shard of every GEMM on all the micro-batch's tokens); routed experts over ETP only (the ``allgather``
-    dispatcher gathers the TP x EP group's tokens, so the rank's ``experts / EP`` experts see ``tokens x top-k
-    x EP / experts`` each: ``tokens x top-k`` in all, at 1/ETP of the expert width, under a balanced load).
+    ``layers`` the rank holds (and the logits when it holds the output layer), over TP x CP. Attention, dense
+    MLPs, shared experts and the output layer: each TP rank computes its shard of every GEMM on all of the
+    micro-batch's tokens. Routed experts too: the rank enters the MoE layer with its sequence-parallel 1/TP of
+    the tokens, the ``allgather`` dispatcher gathers the expert-tensor x expert-parallel group's (ETP x EP,
+    megatron-core's ``tp_ep`` group), and the rank's ``experts / EP`` experts at 1/ETP of their width see
+    ``tokens / TP x ETP x top-k`` in all under a balanced load: 1/TP of the routed GEMMs, whatever ETP.
 
     The counter is linear in the layers: with ``F(L)`` its count for the layer list ``L``, the logits are
-    ``2 F(L) - F(L + L)``; the routed experts ``F(L) - F(L, top-k 0)``. Like the counter it omits the router
-    GEMM and counts causal attention as half the ``s x s`` products."""
+    ``2 F(L) - F(L + L)``. Like the counter this omits the router GEMM and counts causal attention as half
+    the ``s x s`` products."""
     if not layers and not logits:
         return 0.0
     fields = provider_fields(arch, seq_length=seq_length, tp=tp)
     pattern = list(layers) or [0]
     moe = [int(arch.is_moe(layer)) for layer in pattern] if arch.moe else None
 
-    def count(n: list[int], **changes: Any) -> float:
-        patch = {"num_layers": len(n) * len(pattern)}
+    def count(copies: int) -> float:
+        patch: dict[str, Any] = {"num_layers": copies * len(pattern)}
         if moe is not None:
-            patch["moe_layer_freq"] = moe * len(n)
-        return _counted({**fields, **patch, **changes}, micro_batch_size)
+            patch["moe_layer_freq"] = moe * copies
+        return _counted({**fields, **patch}, micro_batch_size)
 
-    once, twice = count([1]), count([1, 1])
+    once, twice = count(1), count(2)
     logit_flops = 2 * once - twice
     layer_flops = once - logit_flops if layers else 0.0
-    routed = (once - count([1], moe_router_topk=0)) if arch.moe and layers else 0.0
-    return (layer_flops - routed + (logit_flops if logits else 0.0)) / (tp * cp) + routed / etp
+    return (layer_flops + (logit_flops if logits else 0.0)) / (tp * cp)
 
 
 def import_cost_s() -> float:

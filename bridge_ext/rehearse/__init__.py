@@ -167,17 +167,22 @@ def _planned(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tupl
 
 
 def _planned_micro_batch(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tuple[float, float]:
-    """``plan``'s activation bytes (one micro-batch in flight, the layout's recompute settings) and Megatron
-    Bridge's model FLOPs of one micro-batch on this rank's layers."""
+    """``plan``'s activation bytes (one micro-batch in flight, the layout's recompute settings; at the precision
+    rehearsed: MXFP8 layouts run bf16 on CPU) and Megatron Bridge's model FLOPs of one micro-batch on this
+    rank's layers."""
+    import dataclasses
+
     from bridge_ext.plan import pipeline_ranks
     from bridge_ext.plan.flops import model_flops_on_rank
     from bridge_ext.plan.memory import activation_bytes, holds_logits
 
     arch = recipe.model.architecture
     stage = pipeline_ranks(recipe, layout, spec=spec)[where.pp]
-    planned_bytes = activation_bytes(arch, layout, stage, micro_batches=1, recompute=dict(layout.model))
+    rehearsed = dataclasses.replace(layout, precision="bf16_mixed") if (
+        spec == "local" and "mxfp8" in layout.precision) else layout
+    planned_bytes = activation_bytes(arch, rehearsed, stage, micro_batches=1, recompute=dict(layout.model))
     flops = model_flops_on_rank(arch, layers=stage.layers, logits=holds_logits(arch, layout, stage),
-                                seq_length=layout.seq_length, tp=layout.tp, cp=layout.cp, etp=layout.etp,
+                                seq_length=layout.seq_length, tp=layout.tp, cp=layout.cp,
                                 micro_batch_size=layout.micro_batch_size)
     return planned_bytes, flops
 
