@@ -417,3 +417,25 @@ def test_qwen3_235b_rank0_micro_batch_flops_by_hand(cpu_mode):
     # attention once, no recomputation
     assert mb["planned_model_flops"] == pytest.approx(
         gemms - 6 * layers * router * tokens // tp + layers * 3 * core_forward / 2, rel=2e-3)
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("recipe, layout", [("kimi_k2_muon", "gb300x256"), ("qwen3_235b_a22b_muon", "h100x128"),
+                                            ("kimi_k2_proxy_muon", "cpu-pp2"), ("qwen3_8b_muon", "h100x8")])
+def test_plan_rank_flops_add_up_to_the_counter(recipe, layout):
+    """plan's micro-batch FLOPs per rank (what the rehearsal compares with), summed over the pipeline stages and
+    the TP x CP ranks of a stage, are Megatron Bridge's count for one micro-batch of the whole model."""
+    from bridge_ext.plan import pipeline_ranks
+    from bridge_ext.plan.flops import model_flops_on_rank, model_flops_per_step
+    from bridge_ext.plan.memory import holds_logits
+    from recipes import get_recipe
+
+    chosen = get_recipe(recipe)
+    arch, lay = chosen.model.architecture, chosen.layout(layout)
+    stages = pipeline_ranks(chosen, lay, spec="te")
+    assert sum(holds_logits(arch, lay, stage) for stage in stages) == 1
+    per_rank = [model_flops_on_rank(arch, layers=stage.layers, logits=holds_logits(arch, lay, stage),
+                                    seq_length=lay.seq_length, tp=lay.tp, cp=lay.cp,
+                                    micro_batch_size=lay.micro_batch_size) for stage in stages]
+    whole = model_flops_per_step(arch, seq_length=lay.seq_length, tp=lay.tp, global_batch_size=lay.micro_batch_size)
+    assert sum(per_rank) * lay.tp * lay.cp == pytest.approx(whole, rel=1e-9)
