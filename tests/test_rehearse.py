@@ -369,6 +369,15 @@ def test_qwen3_8b_rank0_micro_batch_by_hand(cpu_mode):
     # DotProductAttention keeps, per layer, the bf16 softmax probabilities [1, 8, s, s] and a bool causal mask
     # [s, s] (the 268 MB scores buffer is one, shared, and flat)
     assert mb["square_bytes"] == layers * (1 * (32 // tp) * seq * seq * 2 + seq * seq) == 10_267_656_192
+    # the tensors plan counts are there at plan's sizes (by hand, per rank: 4,096 tokens at TP4 widths; plan's
+    # per-token terms over the 1,024 sequence-parallel tokens): fc1's output (2 x FFN / TP), the SwiGLU output
+    # (fc2's input, FFN / TP), the norms' bf16 outputs (hidden, over SP), the fp32 logits (vocab / TP)
+    by_op = mb["peak_by_op"]
+    assert by_op["decoder.layers.*.mlp.linear_fc1: aten.mm bfloat16"] == layers * tokens * 2 * 12288 // tp * 2
+    assert by_op["decoder.layers.*.mlp: aten.mul bfloat16"] == layers * tokens * 12288 // tp * 2
+    for norm in ("input_layernorm", "pre_mlp_layernorm"):
+        assert by_op[f"decoder.layers.*.{norm}: aten._to_copy bfloat16"] == layers * tokens // tp * h * 2
+    assert by_op["module: aten._to_copy float32"] == tokens * 151936 // tp * 4
     # plan (flash attention: no s x s tensors; fused norms and SwiGLU): 5.30 GiB; without the s x s tensors the
     # local path keeps 2.05 x that (docs/launch.md itemizes it: fp32 norm copies, unfused SwiGLU, q/k/v copies)
     assert mb["planned_activation_bytes"] == pytest.approx(5_689_049_088, rel=1e-6)
