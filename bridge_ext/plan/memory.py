@@ -22,6 +22,9 @@ rank (1F1B: PP - rank; interleaved: ``(PP - rank - 1) * 2 + (VP - 1) * PP + 1`` 
 ``schedules.py`` warms up), plus fp32 logits on the last stage. Recompute: ``full`` keeps each recomputed
 layer's input only; ``selective`` drops what the named modules recompute (``core_attn`` nothing with
 flash attention; ``mla_up_proj``, ``layernorm``, ``mlp``, ``moe_act``, ``moe``, ``shared_experts``).
+This is Transformer Engine's kernels (GPUs); ``nemo llm rehearse`` measures one micro-batch of megatron-core's
+local spec (CPU), which also keeps the ``s x s`` probabilities and masks, fp32 copies inside its norms and the
+unfused SwiGLU's intermediates, beside the tensors counted here at these sizes (docs/launch.md).
 """
 
 from __future__ import annotations
