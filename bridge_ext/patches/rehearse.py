@@ -28,7 +28,9 @@ assume real tensors or a real world; each is changed only for the duration of a 
   tensors it takes megatron-core's own drop-and-pad path of ``permute`` with a perfectly balanced load: every
   expert receives ``ceil(tokens x top-k / experts)`` of the gathered tokens (what
   ``moe_router_force_load_balancing`` aims at), ``tokens_per_expert`` a real tensor of those counts. Real
-  tensors take the upstream code.
+  tensors take the upstream code. ``moe_utils.permute`` returns its permuted tokens, probabilities and sorted
+  indices first on every release (megatron-core 0.17+ add the pad offsets and padded counts after them, which
+  the unfused, unaligned path leaves None): the patch takes those three.
 """
 
 from __future__ import annotations
@@ -155,10 +157,12 @@ def _balanced_dispatch_on_fake(dispatch_postprocess: Any) -> Any:
         local_probs = probs[:, first:last].contiguous()
         capacity = balanced_capacity(hidden_states.shape[0], self.config.moe_router_topk,
                                      self.config.num_moe_experts)
-        # megatron-core's own static-shape path (argsort, the first `capacity` tokens of each expert)
+        # megatron-core's own static-shape path (argsort, the first `capacity` tokens of each expert); permute
+        # returns (tokens, probs, sorted indices) and, from megatron-core 0.17, (pad offsets, padded tokens per
+        # expert) after them (None, None here: unfused, no alignment): the first three on every release
         permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
             hidden_states, self.local_map, probs=local_probs, num_out_tokens=capacity * (last - first),
-            fused=False, drop_and_pad=True)
+            fused=False, drop_and_pad=True)[:3]
         with torch._C._DisableTorchDispatch():  # a real tensor: SequentialMLP reads it (tolist)
             tokens_per_expert = torch.full((last - first,), capacity, dtype=torch.long)
         self.routing_map = None
@@ -218,11 +222,15 @@ PATCHES: tuple[Patch, ...] = (
         when="during a rehearsal's micro-batch forward + backward, on fake tensors only",
         why="the dispatcher sizes its output by the routing (masked_select, tokens_per_expert.tolist()), which fake "
             "tensors have no data for; on fake tensors megatron-core's drop-and-pad permute with a balanced load "
-            "(ceil(tokens x top-k / experts) per expert)",
+            "(ceil(tokens x top-k / experts) per expert), taking permute's first three results (tokens, probs, "
+            "sorted indices: every release returns them first; megatron-core 0.17+ return two more after them)",
         snippets=("tokens_per_expert = self.local_map.sum(dim=0).long().cpu()",
                   "self.local_probs = self.local_probs.T.contiguous().masked_select("),
         elsewhere=(("megatron.core.transformer.moe.moe_utils", ("if drop_and_pad and not (num_out_tokens is None):",
-                                                                "capacity = num_out_tokens // num_experts")),),
+                                                                "capacity = num_out_tokens // num_experts",
+                                                                # the three results it takes (0.17+ add two more)
+                                                                "return permuted_input, permuted_probs, "
+                                                                "sorted_indices")),),
         make=_balanced_dispatch_on_fake,
     ),
 )
