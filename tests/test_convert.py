@@ -796,13 +796,36 @@ def test_sigterm_during_import_leaves_nothing(qwen3_hf, tmp_path):
     assert_nothing_written(target)
 
 
+def _shard_lines_match(lines: list[str], hf_dir: Path, verb: str) -> None:
+    """The lines before the summary: one per safetensors file of ``hf_dir``, its tensors and bytes as the
+    safetensors library reads that file."""
+    import re
+
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    assert len(files) > 1 and len(lines) > len(files), (files, lines)
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    for file, line in zip(files, lines[-1 - len(files):-1], strict=True):
+        match = re.fullmatch(rf"  {re.escape(file.name)}: (\d+) tensors, ([\d.]+) (B|KB|MB|GB) {verb}", line)
+        assert match, (file.name, line)
+        with safe_open(str(file), framework="pt") as shard:
+            tensors = [shard.get_tensor(key) for key in shard.keys()]
+        assert int(match[1]) == len(tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        assert float(match[2]) * scale[match[3]] == pytest.approx(nbytes, abs=0.005 * scale[match[3]]), line
+
+
 @pytest.mark.slow
 def test_cli_import_verify_and_export(nemo, qwen3_hf, tmp_path):
     result = nemo(["llm", "import", "--hf", qwen3_hf, "--out", tmp_path / "mg", "--verify"])
     assert result.code == 0, result.stderr[-3000:]
-    last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("import: 25 tensors") and "verified: max |logit diff|" in last, result.stdout
-    result = nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf"])
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("import: 25 tensors") and "verified: max |logit diff|" in lines[-1], result.stdout
+    _shard_lines_match(lines, qwen3_hf, "read")  # the source has shards of 100 kB
+    result = nemo(["llm", "export", "--ckpt", tmp_path / "mg", "--out", tmp_path / "hf", "--shard-size", "150KB"])
     assert result.code == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1].startswith("export: 25 tensors")
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("export: 25 tensors")
+    _shard_lines_match(lines, tmp_path / "hf", "written")
     assert all(load_safetensors(tmp_path / "hf")[k].equal(v) for k, v in load_safetensors(qwen3_hf).items())

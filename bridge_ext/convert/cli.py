@@ -19,7 +19,7 @@ def _finish(summary: ConversionSummary) -> int:
     if is_rank0():
         for note in summary.notes:
             print(f"note: {note}")
-        print(summary.line())
+        print("\n".join([*summary.shard_lines(), summary.line()]))
     return 0
 
 

@@ -19,7 +19,7 @@ from bridge_ext.convert.hf_dir import (
 from bridge_ext.convert.hf_read import per_expert_state
 from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, model_param_names, prepare_runtime
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group, union_over_ranks
-from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, say_on_rank0
+from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, record_source_use, say_on_rank0
 from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, import_streaming
 from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_import
@@ -140,11 +140,8 @@ def import_hf(
         if source.expert_layout == "fused" or source.int4:  # experts by name, one by one; int4 read dequantized
             pretrained = ConfigSource(source.config, path=str(hf.absolute()), state=per_expert_state(source))
         used, _ = _load_hf_into_megatron(bridge, pretrained, model, source, progress=progress)
-        used = union_over_ranks(used)  # each rank reads the tensors of its own shard (layers, experts)
-        summary.tensors, summary.bytes = len(used), sum(source.tensors[name].nbytes for name in used)
-        unused = sorted(set(source.tensors) - used)
-        if unused:
-            summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
+        # each rank reads the tensors of its own shard (layers, experts)
+        record_source_use(summary, source, union_over_ranks(used))
         tokenizer = hf.absolute() if hf_tokenizer_loadable(hf) else None
         say_on_rank0(console, "writing torch_dist checkpoint")
         save_megatron_model(model, str(staging), hf_tokenizer_path=tokenizer, low_memory_save=True)

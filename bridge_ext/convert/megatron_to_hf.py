@@ -34,7 +34,7 @@ from bridge_ext.convert.megatron_ckpt import (
 )
 from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, prepare_runtime
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group
-from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_rank0
+from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_rank0, shard_totals
 from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, export_streaming_into
 from bridge_ext.errors import UserError
@@ -269,6 +269,7 @@ def export_hf(
                                           plan=plan, cpu=cpu, dtype=stored, tp=tp, pp=pp, ep=ep)  # fmt: skip
             if writer is not None:
                 writer.close()
+                summary.shards = shard_totals((writer.files[shard], nbytes) for shard, _, nbytes in writer.where.values())
         except BaseException:
             if writer is not None:
                 writer.abort()

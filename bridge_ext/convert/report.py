@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,8 @@ from typing import Any
 from bridge_ext.convert.parallel import is_rank0
 from bridge_ext.errors import UserError
 
-__all__ = ["ConversionSummary", "TensorProgress", "human_bytes", "quiet_upstream", "say_on_rank0"]
+__all__ = ["ConversionSummary", "TensorProgress", "human_bytes", "quiet_upstream", "record_source_use", "say_on_rank0",
+           "shard_totals"]
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ConversionSummary:
     seconds: float = 0.0
     max_logit_diff: float | None = None
     notes: list[str] = field(default_factory=list)
+    shards: list[tuple[str, int, int]] = field(default_factory=list)  # (file, tensors, bytes) read or written
 
     @property
     def throughput(self) -> float:
@@ -40,6 +42,33 @@ class ConversionSummary:
             f"{self.direction}: {self.tensors} tensors, {human_bytes(self.bytes)} in {self.seconds:.1f} s "
             f"({human_bytes(self.throughput)}/s){verified} -> {self.out}"
         )
+
+
+    def shard_lines(self) -> list[str]:
+        """One line per safetensors shard the conversion read (import) or wrote (export)."""
+        verb = "read" if self.direction == "import" else "written"
+        return [f"  {file}: {tensors} tensors, {human_bytes(nbytes)} {verb}" for file, tensors, nbytes in self.shards]
+
+
+def shard_totals(tensors: Iterable[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """``(file, nbytes)`` per tensor -> ``(file, tensors, bytes)`` per file, by file name."""
+    totals: dict[str, list[int]] = {}
+    for file, nbytes in tensors:
+        entry = totals.setdefault(file, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+    return [(file, count, nbytes) for file, (count, nbytes) in sorted(totals.items())]
+
+
+def record_source_use(summary: ConversionSummary, source: Any, used: set[str]) -> None:
+    """An import's totals from the HF tensors it read (``used``, over all ranks): tensors, bytes, per source shard,
+    and a note naming what the architecture left unread. ``source``: ``bridge_ext.convert.hf_dir.HFSource``."""
+    infos = [source.tensors[name] for name in used]
+    summary.tensors, summary.bytes = len(infos), sum(info.nbytes for info in infos)
+    summary.shards = shard_totals((info.file, info.nbytes) for info in infos)
+    unused = sorted(set(source.tensors) - used)
+    if unused:
+        summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
 
 
 def human_bytes(n: float) -> str:

@@ -150,7 +150,7 @@ def import_streaming(
     from bridge_ext.convert.hf_read import per_expert_state
     from bridge_ext.convert.model import ConfigSource
     from bridge_ext.convert.parallel import is_rank0, process_group, union_over_ranks
-    from bridge_ext.convert.report import TensorProgress
+    from bridge_ext.convert.report import TensorProgress, record_source_use
     from bridge_ext.convert.staging import staged_output
     from bridge_ext.convert.verify import verify_import
 
@@ -172,11 +172,7 @@ def import_streaming(
                                          done=converter.done)  # fmt: skip
                 tokenizer = hf.absolute() if hf_tokenizer_loadable(hf) else None
                 save_skeleton_checkpoint(skeleton.model, staging, strategy, tokenizer=tokenizer)
-            used = union_over_ranks(converter.used)
-            summary.tensors, summary.bytes = len(used), sum(source.tensors[n].nbytes for n in used)
-            unused = sorted(set(source.tensors) - used)
-            if unused:
-                summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
+            record_source_use(summary, source, union_over_ranks(converter.used))
             if is_rank0():
                 write_hf_source(hf, staging, source)
             if verify:
