@@ -1,7 +1,9 @@
 """What one rank holds, read from Megatron's own objects (model chunks, DDP buffers, the optimizer).
 
-- parameters: every parameter of the rank's model chunks (experts: ``allreduce=False``, as megatron-core marks
-  them for the expert-data-parallel reduction);
+- parameters: every parameter of the rank's model chunks; of them the routed experts' (every ``MoELayer``'s
+  ``experts``, the shared expert not included), whatever the expert parallelism (megatron-core marks them
+  ``allreduce=False`` only where they use the expert groups, EP > 1 or ETP != TP: a 1-process layout's experts
+  are in the dense buffer);
 - weights: the bytes the parameters occupy (with the distributed optimizer, DDP's contiguous param buffer,
   padding included);
 - grad buffer: DDP's ``grad_data`` of every dense and expert-parallel buffer (``param_and_grad_buffer.py``);
@@ -86,7 +88,11 @@ def footprint(model: list[Any], optimizer: Any) -> Footprint:
     """The rank's :class:`Footprint` from its DDP-wrapped model chunks and its Megatron optimizer."""
     import torch
 
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     params = [p for chunk in model for p in chunk.parameters()]
+    routed = {id(p) for chunk in model for module in chunk.modules() if isinstance(module, MoELayer)
+              for p in module.experts.parameters()}
     buffers = [b for chunk in model for b in (*getattr(chunk, "buffers", ()), *getattr(chunk, "expert_parallel_buffers", ()))]
     model_storages: set[Any] = set()
     weights = 0
@@ -121,5 +127,5 @@ def footprint(model: list[Any], optimizer: Any) -> Footprint:
                     counted.add(_storage(value))
                     state += _bytes(value)
     return Footprint(params=sum(p.numel() for p in params),
-                     expert_params=sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+                     expert_params=sum(p.numel() for p in params if id(p) in routed),
                      updated_params=updated, weights=weights, grads=grads, main_params=main, optimizer_state=state)
