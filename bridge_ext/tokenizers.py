@@ -331,14 +331,15 @@ def megatron_tokenizer_dir(directory: str | Path, *, quiet: bool = True) -> Path
 
 def _write_converted(tok: TextTokenizer, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from bridge_ext.patches.adapters import tiktoken_converter
 
     shutil.copyfile(tok.directory / "tiktoken.model", out / "tiktoken.model")
     encoding = tok._backend
     specials = sorted(encoding._special_tokens.items(), key=lambda item: item[1])
     with _NoTiktokenCache():
-        backend = TikTokenConverter(vocab_file=str(out / "tiktoken.model"), pattern=KIMI_PAT_STR,
-                                    additional_special_tokens=[name for name, _ in specials]).converted()
+        backend = tiktoken_converter(vocab_file=str(out / "tiktoken.model"), pattern=KIMI_PAT_STR,
+                                     special_tokens=[name for name, _ in specials]).converted()
     config = _read_config(tok.directory)
     names = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
     names["bos_token"] = names["bos_token"] or "[BOS]"

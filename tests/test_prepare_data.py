@@ -68,13 +68,29 @@ def _train_bpe(texts: list[str], vocab: int):
     return tok
 
 
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py ``bytes_to_unicode``), which byte-level
+    BPE vocabularies are written in: printable Latin-1 bytes map to themselves, the other 68 to U+0100 on, in
+    byte order. Written out here: transformers 5 no longer has it in ``models/gpt2/tokenization_gpt2.py``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + len(table) - len(printable))
+    return table
+
+
 def make_kimi_dir(out: Path, vocab: int = 700) -> int:
     """A Kimi-K2-style tokenizer directory; returns the number of base (tiktoken) ranks."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from tokenizers import pre_tokenizers
+
+    to_char = gpt2_bytes_to_unicode()
+    assert set(to_char.values()) == set(pre_tokenizers.ByteLevel.alphabet())  # the BPE's alphabet
 
     texts = MULTILINGUAL * 30 + [p.read_text() for p in sorted(Path(os.__file__).parent.glob("json/*.py"))]
     model = json.loads(_train_bpe(texts, vocab).to_str())["model"]
-    to_byte = {v: k for k, v in bytes_to_unicode().items()}
+    to_byte = {v: k for k, v in to_char.items()}
     ranks = {bytes([b]): b for b in range(256)}  # tiktoken: every byte, then each merge's result by merge order
     for left, right in model["merges"]:
         token = bytes(to_byte[c] for c in left) + bytes(to_byte[c] for c in right)
@@ -175,20 +191,22 @@ def test_kimi_tiktoken_ids_specials_and_round_trip(dirs, tiktoken_cache):
     assert tok.encode(long) != direct.encode(long)
 
 
-@pytest.mark.once
+@pytest.mark.stack  # transformers' class and save format for the directory differ between 4 and 5
 def test_qwen_style_dir_encodes_as_transformers(dirs):
+    import transformers
     from transformers import AutoTokenizer
 
     from bridge_ext.tokenizers import load_tokenizer
 
     tok = load_tokenizer(dirs["qwen"])
     hf = AutoTokenizer.from_pretrained(str(dirs["qwen"]), trust_remote_code=False)
-    assert type(hf).__name__ == "Qwen2TokenizerFast"
+    assert type(hf) is transformers.Qwen2TokenizerFast  # transformers 5: an alias of Qwen2Tokenizer, the fast one
     assert tok.kind == "huggingface" and tok.vocab_size == len(hf) == 4096 and tok.eod == hf.eos_token_id == 0
     assert tok.encode_batch(MULTILINGUAL) == hf(MULTILINGUAL, add_special_tokens=False).input_ids
     assert all(tok.decode(tok.encode(t)) == t for t in MULTILINGUAL)
 
 
+@pytest.mark.stack  # the conversion is transformers' TikTokenConverter, the loading Megatron Bridge's
 def test_kimi_tokenizer_in_megatron_bridge_gives_the_same_ids(dirs, tiktoken_cache):
     """What `pretrain` builds from the converted directory (Megatron Bridge's own build_tokenizer)."""
     from bridge_ext import patches
@@ -396,8 +414,10 @@ def test_docs_qwen3_path_blend_trains_and_megatron_honours_the_split(dirs, tmp_p
     # the dry run of the full recipe checks the tokenizer against the model's vocabulary ...
     assert nemo_llm(dryrun[2:]) == 0
     out = capsys.readouterr().out
-    assert f"tokenizer   Qwen2TokenizerFast (4,096 tokens) from {dirs['qwen']}, end of document id 0; fits " \
-           "model.vocab_size 151,936" in out
+    from transformers import Qwen2TokenizerFast  # the class transformers loads it with (5: named Qwen2Tokenizer)
+
+    assert f"tokenizer   {Qwen2TokenizerFast.__name__} (4,096 tokens) from {dirs['qwen']}, end of document id 0; " \
+           "fits model.vocab_size 151,936" in out
     assert f"dataset.blend=[['{blend}-0', '{blend}-1'], [0.7, 0.3]]" in out
     # ... and refuses one whose ids do not fit the embedding
     assert nemo_llm([*dryrun[2:], "model.vocab_size=4000"]) == 2
@@ -443,9 +463,11 @@ def test_docs_kimi_k2_path_trains_without_remote_code(dirs, tmp_path, capsys, mo
         f"error: dataset.split 98,1,1 leaves the test split of {prefix} (36 documents) empty, which Megatron cannot "
         "build; use more documents or a split with 0 for it (e.g. \"dataset.split='98,2,0'\")\n")
     result, run = _pretrain(nemo, tmp_path, _as_cpu_run(launch, "kimi_k2_proxy_muon"), "train.train_iters=10")
-    assert "building HuggingFaceTokenizer" in result.stdout + result.stderr
     losses = _losses(run)
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
-    # what the run saved as its tokenizer: the converted directory (no remote code), not the Kimi one
+    # what the run built its tokenizer from (the config it saved; megatron-bridge 0.6's build_tokenizer hands it
+    # to megatron-core's, which prints no "building HuggingFaceTokenizer" line): Megatron's HuggingFaceTokenizer
+    # on the converted directory (no remote code), not the Kimi one
     saved = next(run.rglob("run_config.yaml")).read_text()
+    assert "tokenizer_type: HuggingFaceTokenizer" in saved
     assert f"tokenizer_model: {tmp_path / 'cache' / 'tokenizers'}/tiktoken-" in saved
