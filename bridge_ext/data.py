@@ -305,9 +305,15 @@ def train_tokenizer(out_dir: Path, files: list[CorpusFile] | None = None, *,
     Deterministic: the same files give the same ``tokenizer.json``. Writes ``tokenizer.json``,
     ``tokenizer_config.json``, ``special_tokens_map.json`` (what ``AutoTokenizer.from_pretrained`` reads)
     and ``training.json`` (what it was trained on).
+
+    The files are the same whichever transformers is installed, and every stack's transformers loads them:
+    ``tokenizer.json`` is the ``tokenizers`` library's own serialization of the trained tokenizer, the two
+    configs are written here as transformers 4's ``PreTrainedTokenizerFast.save_pretrained`` writes them.
+    transformers 5's ``save_pretrained`` instead adds the post-processor its loader gives a tokenizer without
+    one (``TokenizersBackend.update_post_processor``) and names the class ``TokenizersBackend``, which
+    transformers 4 cannot load; transformers 5 loads ``PreTrainedTokenizerFast`` (its alias of that class).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     files = corpus_files() if files is None else files
     tokenizer = Tokenizer(models.BPE())
@@ -318,13 +324,18 @@ def train_tokenizer(out_dir: Path, files: list[CorpusFile] | None = None, *,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tokenizer.train_from_iterator((read_document(f) for f in files), trainer=trainer, length=len(files))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOD_TOKEN, bos_token=EOD_TOKEN, unk_token=EOD_TOKEN,
-        pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False, model_max_length=1 << 20,
-    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    named = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "pad_token": PAD_TOKEN, "unk_token": EOD_TOKEN}
+    added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                      "single_word": t.single_word, "special": t.special}
+             for i, t in sorted(tokenizer.get_added_tokens_decoder().items())}
+    config = {"added_tokens_decoder": added, **named, "clean_up_tokenization_spaces": False,
+              "extra_special_tokens": {}, "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", named)):
+        (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                                    encoding="utf-8")
     record = {
         "command": "python -m bridge_ext.data --train-tokenizer",
         "python": sys.version.split()[0],
