@@ -5,7 +5,8 @@ Run as ``torchrun --standalone --nproc-per-node 2 tests/rehearse_rank_driver.py 
 every case runs ``nemo llm pretrain``'s own path (``bridge_ext.build.build_config``, ``bridge_ext.training``:
 CPU mode, Megatron Bridge's ``pretrain()`` with its ``setup_optimizer``) for one iteration on mock data; a
 callback at the end of that step counts, from the live objects and without ``bridge_ext.rehearse``:
-parameters (elements of the model chunks' parameters, experts apart), the DDP grad buffers' bytes, the bytes
+parameters (elements of the model chunks' parameters; the routed experts apart, by name: ``.mlp.experts.``, at
+any EP, where megatron-core marks them ``allreduce=False`` only at EP > 1), the DDP grad buffers' bytes, the bytes
 of the tensors the optimizers step that are not the model's own storage (fp32 main copies) and the bytes of
 every tensor in the torch optimizers' ``state``. Every rank writes ``OUT_DIR/rank<R>.json`` = [{recipe,
 layout, rank, params, expert_params, grads, main_params, optimizer_state}, ...].
@@ -35,6 +36,7 @@ def _count(model, optimizer) -> dict[str, int]:
         return t.untyped_storage().data_ptr()
 
     params = [p for chunk in model for p in chunk.parameters()]
+    routed = [p for chunk in model for name, p in chunk.named_parameters() if ".mlp.experts." in name]
     buffers = [b for chunk in model for b in (*chunk.buffers, *chunk.expert_parallel_buffers)]
     model_storages = {storage(p) for p in params}
     for buffer in buffers:
@@ -53,7 +55,7 @@ def _count(model, optimizer) -> dict[str, int]:
                     seen.add(storage(value))
                     state += value.untyped_storage().nbytes()
     return {"params": sum(p.numel() for p in params),
-            "expert_params": sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+            "expert_params": sum(p.numel() for p in routed),
             "grads": sum(b.grad_data.untyped_storage().nbytes() for b in buffers),
             "main_params": main, "optimizer_state": state}
 
