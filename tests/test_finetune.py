@@ -174,15 +174,20 @@ def test_training_order_follows_dataset_seed(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- loss mask
+@pytest.mark.stack  # the SFT dataset builder moved in megatron-bridge 0.6 (data/builders/gpt_sft.py)
 def test_loss_mask_covers_only_the_last_answer(tmp_path):
-    """Megatron Bridge's own SFT dataset over our rendered file: prompt tokens (earlier turns too) carry no loss."""
+    """Megatron Bridge's own SFT dataset over our rendered file: prompt tokens (earlier turns too) carry no loss.
+
+    Built by the builder a fine-tuning run's dataset provider uses, over the rendered directory: 0.3-0.5
+    ``data/builders/finetuning_dataset.py`` (through ``data/datasets/sft.py`` ``create_sft_dataset``), 0.6
+    ``data/builders/gpt_sft.py`` (``build_gpt_sft_split``; ``create_sft_dataset`` is gone)."""
     from transformers import AutoTokenizer
 
     from bridge_ext.finetune.data import prepare_sft_data, sft_dataset_kwargs
     from bridge_ext import patches
+    from bridge_ext.stack import first_defined
 
     patches.apply("import")
-    from megatron.bridge.data.datasets.sft import create_sft_dataset
     from megatron.bridge.training.config import TokenizerConfig
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
@@ -195,8 +200,12 @@ def test_loss_mask_covers_only_the_last_answer(tmp_path):
     assert (sft.train, sft.validation) == (2, 1)
     tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
                                                 tokenizer_model=str(PROXY_TOKENIZER)))
-    dataset = create_sft_dataset(sft.root / "training.jsonl", tokenizer=tokenizer, seq_length=128, memmap_workers=1,
-                                 **sft_dataset_kwargs())
+    builder = first_defined("FinetuningDatasetBuilder", "megatron.bridge.data.builders.finetuning_dataset",
+                            "megatron.bridge.data.builders.gpt_sft")
+    dataset, validation, test = builder(dataset_root=sft.root, tokenizer=tokenizer, seq_length=128, seed=1234,
+                                        memmap_workers=1, dataset_kwargs=sft_dataset_kwargs(), do_validation=False,
+                                        do_test=False).build()
+    assert validation is None and test is None and len(dataset) == 2
     hf = AutoTokenizer.from_pretrained(str(PROXY_TOKENIZER))
     eos = hf.convert_tokens_to_ids("<|endoftext|>")
     expected = [  # the proxy template written out by hand: <|role|>\ncontent\n per turn

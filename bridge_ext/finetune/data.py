@@ -139,7 +139,8 @@ def tokenizer_files_digest(tokenizer_dir: Path) -> str:
 
 
 def sft_dataset_kwargs() -> dict[str, Any]:
-    """``dataset_kwargs`` for Megatron Bridge's ``create_sft_dataset``: the rendered prompt, loss on the answer."""
+    """``dataset_kwargs`` for Megatron Bridge's SFT dataset (``data/datasets/sft.py`` ``create_sft_dataset`` in
+    0.3-0.5, ``data/builders/gpt_sft.py`` ``build_gpt_sft_split`` in 0.6): the rendered prompt, loss on the answer."""
     return {"prompt_template": PROMPT_TEMPLATE, "label_key": "output", "truncation_field": "input",
             "answer_only_loss": True, "add_eos": True, "add_bos": False, "add_sep": False}
 
