@@ -4,10 +4,12 @@ chosen moment of a checkpoint save, the way a scheduler or a node failure would:
     python tests/kill_driver.py EVENTS_JSON llm pretrain ...
 
     EVENTS_JSON: [{"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},   # a file of iter_0000004
+                  {"before": "tokenizer/", "iteration": 4, "signal": "KILL"},        # its first file in tokenizer/
                   {"step": 5, "signal": "TERM"}]                                    # when iteration 5 starts
 
-Test code only: the moments are found with a Python audit hook (files opened for writing, renames), and the
-start of an iteration with a wrapper around Megatron Bridge's ``train_step``. Each event fired is one
+Test code only: the moments are found with a Python audit hook (files opened for writing, renames) and a
+wrapper around ``torch.save`` (which opens a path in C++), and the start of an iteration with a wrapper around
+Megatron Bridge's ``train_step``. Each event fired is one
 ``FIRED {json}`` line on stderr. The process then ends as ``nemo`` would: with the command's exit code, or
 killed by the signal.
 """
@@ -38,19 +40,31 @@ def _install(events: list[dict]) -> None:
         os.write(2, f"FIRED {json.dumps(event)}\n".encode())  # unbuffered: the log has it before the signal lands
         os.kill(trainer, getattr(signal, f"SIG{event['signal']}"))
 
-    def audit(name: str, args: tuple) -> None:
-        if name == "open" and args[1] and any(c in str(args[1]) for c in "wax+"):
-            path = str(args[0])
-        elif name == "os.rename":
-            path = str(args[1])  # os.replace raises it too: the destination is what is written
-        else:
-            return
+    def writing(path: str, source: str) -> None:
         for event in [e for e in pending if "before" in e]:
-            iter_dir = f"iter_{event['iteration']:07d}"
-            if event["before"] in _names(path) and iter_dir in str(args[0]):
+            iter_dir, before = f"iter_{event['iteration']:07d}", event["before"]
+            # "DIR/": the first file written into that folder of the iteration
+            hit = f"{os.sep}{before}" in path if before.endswith("/") else before in _names(path)
+            if hit and iter_dir in source:
                 fire(event)
 
+    def audit(name: str, args: tuple) -> None:
+        if name == "open" and args[1] and any(c in str(args[1]) for c in "wax+"):
+            writing(str(args[0]), str(args[0]))
+        elif name == "os.rename":
+            writing(str(args[1]), str(args[0]))  # os.replace raises it too: the destination is what is written
+
     sys.addaudithook(audit)
+    import torch
+
+    save = torch.save
+
+    def torch_save(obj, f, *args, **kwargs):  # a path: torch opens the file in C++, which raises no audit event
+        if isinstance(f, (str, os.PathLike)):
+            writing(os.fspath(f), os.fspath(f))
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = torch_save
     from megatron.bridge.training import train
 
     original = train.train_step

@@ -209,22 +209,25 @@ def losses(path: Path, skip: int = 0) -> list[tuple[int, float]]:
 
 ITERS, INTERVAL, KEEP = 10, 2, 2
 # (what the kill leaves behind, the driver's events, the iteration training then resumes from)
+# The first file of a save: megatron-core 0.16-0.18 write the common state to common.pt first; 0.19 keeps it inside
+# the DCP data files, so the first write is torch's __0_0.distcp
+FIRST_WRITE = "__0_0.distcp" if common_state_inside_checkpoint() else "common.pt"
 KILLS = (
     ("iteration 2 committed, killed as iteration 3 starts", ({"step": 3, "signal": "KILL"},), 2),
-    ("iter_0000004 created, nothing in it", ({"before": "common.pt", "iteration": 4, "signal": "KILL"},), 2),
-    ("common.pt and data files written", ({"before": ".metadata", "iteration": 4, "signal": "KILL"},), 2),
+    ("iter_0000004 created, nothing in it", ({"before": FIRST_WRITE, "iteration": 4, "signal": "KILL"},), 2),
+    ("common state and data files written", ({"before": ".metadata", "iteration": 4, "signal": "KILL"},), 2),
     ("torch DCP .metadata written", ({"before": "metadata.json", "iteration": 4, "signal": "KILL"},), 2),
     ("Megatron metadata.json written", ({"before": "train_state.pt", "iteration": 4, "signal": "KILL"},), 2),
     ("iteration train state written", (
         {"before": ".commit.latest_train_state.pt", "iteration": 4, "signal": "KILL"},), 2),
     ("trackers written (upstream: before run_config.yaml)", (
         {"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},), 2),
-    ("run_config.yaml written, tokenizer files not", (
-        {"before": "tokenizer.json", "iteration": 4, "signal": "KILL"},), 2),
+    ("run_config.yaml written, tokenizer files not", (  # transformers 5 writes tokenizer.json in Rust: no audit event
+        {"before": "tokenizer/", "iteration": 4, "signal": "KILL"},), 2),
     ("latest_train_state.pt moved to 4, latest_checkpointed_iteration.txt not", (
         {"before": "latest_checkpointed_iteration.txt", "iteration": 4, "signal": "KILL"},), 4),
     ("SIGTERM in iteration 5, a second one during its save: saved, exit 0", (
-        {"step": 5, "signal": "TERM"}, {"before": "common.pt", "iteration": 5, "signal": "TERM"}), 5),
+        {"step": 5, "signal": "TERM"}, {"before": FIRST_WRITE, "iteration": 5, "signal": "TERM"}), 5),
     ("SIGTERM in iteration 7, SIGKILL during its save (before run_config.yaml)", (
         {"step": 7, "signal": "TERM"}, {"before": "run_config.yaml", "iteration": 7, "signal": "KILL"}), 6),
 )
@@ -311,7 +314,7 @@ def check_export(nemo, run: Path, tmp_path: Path) -> None:
     """Killed after the trackers, before run_config.yaml (where Megatron Bridge's own save leaves an iteration
     no restart can load): export takes the committed iteration and refuses the unfinished one in one line."""
     names = set(os.listdir(run / "iter_0000004"))
-    assert {".metadata", "common.pt", "metadata.json", "train_state.pt", ".commit.latest_train_state.pt",
+    assert {".metadata", FIRST_WRITE, "metadata.json", "train_state.pt", ".commit.latest_train_state.pt",
             ".commit.latest_checkpointed_iteration.txt"} <= names and "run_config.yaml" not in names, names
     assert read_tracker(run)[0] == 2  # upstream alone would say 4 here
     refused = nemo(["llm", "export", "--ckpt", run, "--iteration", "4", "--out", tmp_path / "x"])
