@@ -84,9 +84,10 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     # set against it, matches param groups by every override key; MB 0.6's KimiK2Bridge maps SequentialMLP experts
     # megatron-core 0.19's QKNormConfigResolver fuses a norm into linear_q_proj without a query low-rank (Moonlight)
     # and refuses the local spec's unused q_layernorm
+    # MB 0.6's fine-tuning batch sampler reshuffles every epoch unless told not to (data/samplers.py)
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *MLA_Q_WITHOUT_LORA, *{f"{name} (emerging_optimizers)" for name in
                                                        MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
-                         *WRITER_QUEUE_PUBLIC},
+                         *WRITER_QUEUE_PUBLIC, "sft-batches-in-dataset-order"},
 }
 # newest (megatron-bridge 0.6.2, megatron-core 0.19.2, emerging-optimizers 0.3.0): the same code as 26.08 for every
 # capability-decided patch (0.19.2's Muon passes emerging-optimizers 0.3.0's names itself)

@@ -22,6 +22,15 @@
   the ``training_log`` that ``train.py`` calls takes that argument as ``log_max_attention_logit``, as upstream's
   fix does. Applies where a ``training_log`` call in ``train.py`` passes ``log_max_attention_logit`` in another
   parameter's position.
+* ``sft-batches-in-dataset-order`` (``stack``): megatron-bridge 0.6 ``data/samplers.py``
+  ``MegatronPretrainingBatchSampler`` (the fine-tuning loaders' ``dataloader_type="batch"``) reshuffles every
+  epoch by default (``shuffle=True``, ``torch.randperm`` of ``dataset.seed`` + epoch), and
+  ``build_pretraining_data_loader`` passes no ``shuffle``: the held-out records were read in another order
+  every eval pass and for every seed (the same records, other batches: eval losses of one model that differ
+  in the last bits), the training records in another order than the one ``bridge_ext.finetune`` writes.
+  0.3-0.5 read both in file order, as ``docs/finetune.md`` (Data order) relies on; the default is made
+  ``shuffle=False`` (an explicit ``shuffle=`` still wins; 0.6's epoch-aware resume offsets are kept). Applies
+  where the sampler takes ``shuffle`` with default True and the loader's call passes none.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bridge_ext.patches.core import Patch
-from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from bridge_ext.stack import UpstreamDrift, call_keywords, module_source, package_of
 
 __all__ = ["PATCHES"]
 
@@ -160,6 +169,31 @@ def _logit_by_name(original: Callable) -> Callable:
     return training_log
 
 
+_SAMPLERS = "megatron.bridge.data.samplers"
+
+
+def _batch_sampler_reshuffles() -> bool:
+    """Whether the installed fine-tuning batch sampler shuffles unless told not to, and the loader never tells it."""
+    samplers = importlib.import_module(_SAMPLERS)
+    shuffle = inspect.signature(samplers.MegatronPretrainingBatchSampler.__init__).parameters.get("shuffle")
+    if shuffle is None:  # 0.3-0.5: file order, no such parameter
+        return False
+    keywords = call_keywords(_SAMPLERS, "MegatronPretrainingBatchSampler", inside="build_pretraining_data_loader")
+    if not keywords:
+        raise UpstreamDrift(f"{package_of(_SAMPLERS)}: build_pretraining_data_loader no longer builds "
+                            "MegatronPretrainingBatchSampler with keywords; bridge_ext's "
+                            "'sft-batches-in-dataset-order' needs updating for this release")
+    return shuffle.default is True and "shuffle" not in keywords
+
+
+def _in_dataset_order(original: Callable) -> Callable:
+    def __init__(self, *args, shuffle: bool = False, **kwargs):
+        original(self, *args, shuffle=shuffle, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers", area="training", scope="stack",
@@ -218,5 +252,19 @@ PATCHES: tuple[Patch, ...] = (
         elsewhere=(("megatron.bridge.training.utils.train_utils",
                     ("pg_collection = pg_collection or get_pg_collection(model)",)),),
         make=_logit_by_name,
+    ),
+    Patch(
+        name="sft-batches-in-dataset-order", area="training", scope="stack",
+        module=_SAMPLERS, attr="MegatronPretrainingBatchSampler.__init__",
+        upstream="megatron/bridge/data/samplers.py MegatronPretrainingBatchSampler (shuffle=True), built by "
+                 "build_pretraining_data_loader for dataloader_type='batch' (fine-tuning)",
+        why="the held-out records were read in another order every eval pass and for every seed (other batches: "
+            "one model's eval losses differ in the last bits), the training records not in the order "
+            "bridge_ext.finetune writes; read in dataset order as megatron-bridge 0.3-0.5 do (an explicit "
+            "shuffle= still wins)",
+        when="the fine-tuning batch sampler reshuffles every epoch by default and the loader passes no shuffle=",
+        needed=_batch_sampler_reshuffles,
+        snippets=("self.shuffle = shuffle", "if self.shuffle:"),
+        make=_in_dataset_order,
     ),
 )
