@@ -286,6 +286,7 @@ def proxy_ckpt(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.heavy
+@pytest.mark.stack  # fine-tuning's data order, checkpoint save and resume (megatron-bridge 0.6's batch sampler)
 def test_sft_eval_loss_falls_and_resume_is_bit_exact(nemo, proxy_ckpt, tmp_path):
     from bridge_ext.finetune.run import read_eval
     from bridge_ext.training import read_losses
