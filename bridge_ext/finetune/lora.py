@@ -23,12 +23,9 @@ def merged_state_dict(chunk: Any) -> dict[str, Any]:
     import torch
     from megatron.bridge.peft.lora_layers import LoRALinear
 
-    from bridge_ext.stack import first_defined, signature_params
+    from bridge_ext.patches.adapters import lora_merge
 
-    # megatron-bridge 0.3-0.5: peft/lora.py; 0.6: peft/lora_merge.py. The merge of one process (TP 1) in each
-    # signature: 0.5 requires the keywords tp_size and tp_group, 0.6 tp_group only (None: TP 1)
-    merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
-    unsharded = {k: v for k, v in (("tp_size", 1), ("tp_group", None)) if k in signature_params(merge.merge)}
+    merge, unsharded = lora_merge()
     merged = {}
     with torch.no_grad():
         for name, module in chunk.named_modules():

@@ -6,6 +6,7 @@ to call, and which names to use.
   from ``recipes/common.py`` where it exists (megatron-bridge 0.3.1), else built from the same classes and
   values (0.3.0, whose recipes build it inline).
 * ``optimizer_fields``: a preset's optimizer fields under the names the installed ``OptimizerConfig`` uses.
+* :func:`lora_merge`: Megatron Bridge's ``LoRAMerge`` and the keywords its ``merge`` needs for one process.
 * :func:`tiktoken_converter`: transformers' ``TikTokenConverter`` with special tokens, under the keyword the
   installed release takes.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from bridge_ext.stack import UpstreamDrift, signature_params, version_of
 
 __all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template",
-           "sft_root_for_validate", "tiktoken_converter"]
+           "lora_merge", "sft_root_for_validate", "tiktoken_converter"]
 
 
 def pretrain_template():
@@ -206,6 +207,16 @@ def sft_root_for_validate(cfg: Any) -> Iterator[None]:
         yield
     finally:
         dataset.dataset_root = None
+
+
+def lora_merge() -> tuple[Any, dict[str, Any]]:
+    """``(LoRAMerge(), keywords)``: ``merge(...)`` of one process (TP 1) on the installed release. megatron-bridge
+    0.3-0.5 define it in peft/lora.py, 0.6 in peft/lora_merge.py; 0.5 requires the keywords ``tp_size`` and
+    ``tp_group``, 0.6 ``tp_group`` only (None: TP 1)."""
+    from bridge_ext.stack import first_defined
+
+    merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
+    return merge, {k: v for k, v in (("tp_size", 1), ("tp_group", None)) if k in signature_params(merge.merge)}
 
 
 def tiktoken_converter(*, vocab_file: str, pattern: str, special_tokens: list[str]) -> Any:
