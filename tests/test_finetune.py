@@ -6,6 +6,7 @@ token ids of hand-written rendered strings from the HF tokenizer, transformers' 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from functools import partial
@@ -174,25 +175,49 @@ def test_training_order_follows_dataset_seed(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- data order
-@pytest.mark.stack  # megatron-bridge 0.6's batch sampler reshuffles every epoch (patch sft-batches-in-dataset-order)
+@pytest.mark.stack  # megatron-bridge 0.6's batch sampler reshuffles every epoch (patch sft-batches-in-dataset-order);
+# 0.3-0.5's starts every epoch at the resume offset (patch sft-epochs-after-resume-from-the-start)
 def test_finetuning_loaders_read_the_records_in_dataset_order():
     """Megatron Bridge's loader for fine-tuning (dataloader_type "batch", train and held-out alike) reads the records
-    in the order bridge_ext.finetune wrote them, every epoch and from a resume point (docs/finetune.md, Data order)."""
+    in the order bridge_ext.finetune wrote them, every epoch and from a resume point (docs/finetune.md, Data order):
+    a resumed run reads what the uninterrupted run reads from that iteration on."""
     from bridge_ext import patches
 
     patches.apply("import")
     patches.apply("stack")
+    from megatron.bridge.data.loaders import cyclic_iter  # how the training loop re-reads it, epoch after epoch
     from megatron.bridge.data.samplers import build_pretraining_data_loader
 
-    def order(consumed: int, epochs: int) -> list[int]:
-        loader = build_pretraining_data_loader(list(range(16)), consumed, "batch", 2, 0, True, pin_memory=False,
-                                               global_batch_size=8)
-        return [int(i) for _ in range(epochs) for batch in loader for i in batch]
+    class Records:  # record i is i; a padding index (-1) stays -1
+        def __init__(self, n: int):
+            self.n = n
 
-    assert order(0, 2) == [*range(16), *range(16)]
-    # resumed mid-epoch: the rest of it (the epochs after it start at the resume offset again on megatron-bridge
-    # 0.3-0.5, an upstream bug 0.6's epoch-aware sampler fixed; not asserted here)
-    assert order(8, 1) == [*range(8, 16)]
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    def order(records: int, consumed: int, batches: int, *, drop_last: bool = True) -> list[int]:
+        """The records of the next ``batches`` global batches (4 records each) of a run that consumed so many."""
+        loader = build_pretraining_data_loader(Records(records), consumed, "batch", 2, 0, True,
+                                               drop_last=drop_last, pin_memory=False, global_batch_size=4)
+        return [int(i) for batch in itertools.islice(cyclic_iter(loader), batches) for i in batch]
+
+    assert order(16, 0, 8) == [*range(16), *range(16)]
+    # resumed mid-epoch (after 2 iterations): the rest of that epoch, then every later epoch from record 0
+    assert order(16, 8, 6) == [*range(8, 16), *range(16)]
+    # 10 records, the remainder dropped: every epoch is records 0-7 (2 iterations); after 3 iterations
+    # (12 samples consumed) the run is half-way through its second epoch
+    assert order(10, 0, 4) == [*range(8), *range(8)]
+    assert order(10, 12, 3) == [*range(4, 8), *range(8)]
+    # ... padded instead (drop_last=False): epochs of 3 iterations, the last one records 8-9 and padding (-1)
+    assert order(10, 0, 3, drop_last=False) == [*range(10), -1, -1]
+    assert order(10, 16, 5, drop_last=False) == [*range(4, 10), -1, -1, *range(10), -1, -1]
+    # from every resume point, the next 3 epochs are the uninterrupted run's
+    stream = order(10, 0, 12)
+    for iterations in range(6):
+        assert order(10, 4 * iterations, 6) == stream[4 * iterations:4 * iterations + 24], iterations
 
 
 # ------------------------------------------------------------------------------------------- loss mask

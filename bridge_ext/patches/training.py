@@ -31,6 +31,14 @@
   0.3-0.5 read both in file order, as ``docs/finetune.md`` (Data order) relies on; the default is made
   ``shuffle=False`` (an explicit ``shuffle=`` still wins; 0.6's epoch-aware resume offsets are kept). Applies
   where the sampler takes ``shuffle`` with default True and the loader's call passes none.
+* ``sft-epochs-after-resume-from-the-start`` (``stack``): megatron-bridge 0.3-0.5 ``data/samplers.py``
+  ``MegatronPretrainingBatchSampler.__iter__`` starts every pass at ``consumed_samples % total_samples`` and
+  never advances it; ``data/loaders.py`` re-iterates it every epoch (``cyclic_iter``). A fine-tuning run
+  resumed mid-epoch (or after a ``drop_last`` remainder) skipped the head of every later epoch and read other
+  batches than the uninterrupted run (training and held-out loaders alike). Each pass now starts where the
+  uninterrupted run is in its epoch (epochs of whole global batches, as 0.6's epoch-aware sampler counts them),
+  the next pass at the first record. Applies where ``__iter__`` still starts at ``consumed_samples %
+  total_samples``; 0.6 fixed it upstream.
 """
 
 from __future__ import annotations
@@ -194,6 +202,28 @@ def _in_dataset_order(original: Callable) -> Callable:
     return __init__
 
 
+_RESUME_OFFSET_EVERY_PASS = "for idx in range(self.consumed_samples % self.total_samples, self.total_samples):"
+
+
+def _batch_sampler_restarts_at_resume_offset() -> bool:
+    """Whether the fine-tuning batch sampler starts every pass at the resume offset (0.3-0.5's ``__iter__``)."""
+    return _RESUME_OFFSET_EVERY_PASS in module_source(_SAMPLERS)
+
+
+def _epochs_from_the_start(original: Callable) -> Callable:
+    def __iter__(self):
+        size = self._global_batch_size
+        # an epoch as the training loop counts it: whole global batches (the remainder dropped, or padded)
+        whole = self.total_samples // size if self.drop_last else -(-self.total_samples // size)
+        if whole:
+            self.consumed_samples %= whole * size  # where the uninterrupted run is in its epoch
+        yield from original(self)
+        self.consumed_samples = 0  # the next pass (cyclic_iter's next epoch) starts at the first record
+
+    __iter__.__wrapped__ = original
+    return __iter__
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers", area="training", scope="stack",
@@ -266,5 +296,20 @@ PATCHES: tuple[Patch, ...] = (
         needed=_batch_sampler_reshuffles,
         snippets=("self.shuffle = shuffle", "if self.shuffle:"),
         make=_in_dataset_order,
+    ),
+    Patch(
+        name="sft-epochs-after-resume-from-the-start", area="training", scope="stack",
+        module=_SAMPLERS, attr="MegatronPretrainingBatchSampler.__iter__",
+        upstream="megatron/bridge/data/samplers.py MegatronPretrainingBatchSampler.__iter__, re-iterated by "
+                 "data/loaders.py cyclic_iter (dataloader_type='batch', fine-tuning)",
+        why="every pass starts at consumed_samples % total_samples: a fine-tuning run resumed mid-epoch skips the "
+            "head of every later epoch and reads other batches than the uninterrupted run; each pass starts "
+            "where the uninterrupted run is in its epoch of whole global batches, the next at the first record "
+            "(as megatron-bridge 0.6's epoch-aware sampler does)",
+        when="the batch sampler's __iter__ starts every pass at consumed_samples % total_samples",
+        needed=_batch_sampler_restarts_at_resume_offset,
+        snippets=(_RESUME_OFFSET_EVERY_PASS, "self._global_batch_size = global_batch_size",
+                  "pad_samples_to_global_batch_size=not drop_last"),
+        make=_epochs_from_the_start,
     ),
 )
