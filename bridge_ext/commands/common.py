@@ -146,21 +146,19 @@ def resolve(args: argparse.Namespace, *, get: Callable[[str], Any]) -> Resolved:
                      gpus=(launched_world_size() if training else None) or layout.gpus, training=training)
 
 
-def show_or_write(resolved: Resolved, args: argparse.Namespace, *, task_lines: list[str] = ()) -> bool:
-    """``--to-yaml``: write the resolved config; ``--dryrun``: print the summary and the YAML. False otherwise."""
-    if not (args.to_yaml or args.dryrun):
-        return False
+def show_or_write(resolved: Resolved, args: argparse.Namespace, *, task_lines: list[str] = ()) -> None:
+    """``--to-yaml``: write the resolved config; ``--dryrun``: print the summary and the YAML (a command calls it
+    for those two only: a training run hands its config on without coming back here)."""
     from bridge_ext.overrides import config_to_yaml
 
     text = config_to_yaml(resolved.cfg)
     if args.to_yaml:
         write_atomic(Path(args.to_yaml), text, overwrite=args.overwrite)
         print(f"wrote {args.to_yaml} ({resolved.recipe.name}, layout {resolved.layout.cluster})", file=sys.stderr)
-        return True
+        return
     print(summary(resolved, task_lines=task_lines))
     print("---")
     print(text, end="")
-    return True
 
 
 def run_line(*, tokens_per_step: int, train_iters: int, warmup_iters: float, decay_start: int | None,

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     source = f"--hf {args.hf} (imported to {target})" if target else pretrained
     task_lines = [f"finetune    {recipe.mode}: {describe(resolved.checked)}",
                   f"checkpoint  {source or '(set checkpoint.pretrained_checkpoint=DIR or --hf DIR)'}"]
-    if show_or_write(resolved, args, task_lines=task_lines):
+    if args.dryrun or args.to_yaml:
+        show_or_write(resolved, args, task_lines=task_lines)
         return 0
     from bridge_ext.finetune.run import import_on_the_fly, run_finetune
 

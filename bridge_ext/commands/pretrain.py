@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.executor:
         return _launch(args, get_recipe)
     resolved = resolve(args, get=get_recipe)
-    if show_or_write(resolved, args):
+    if args.dryrun or args.to_yaml:
+        show_or_write(resolved, args)
         return 0
     from bridge_ext.training import train
 
