@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import write_atomic
 
 __all__ = ["DEFAULT_SPLIT", "Prepared", "blend_problems", "check_real_data", "input_files", "prepare_corpus",
            "split_documents"]
@@ -322,7 +323,7 @@ def prepare_corpus(inputs: list[list[str]], *, tokenizer: str | Path, out: str |
                        label=label, quiet=quiet)
             prepared.built.append((prefix, key) in todo)
             prepared.records.append(_record(prefix))
-        _write_text_atomic(yaml_path, text)
+        write_atomic(yaml_path, text)
     except BaseException:
         for directory in reversed(created):  # only what this call created, and only when empty
             try:
@@ -348,12 +349,6 @@ def _make_parents(parent: Path) -> list[Path]:
             raise UserError(f"cannot create {directory} ({exc.strerror})") from None
         created.append(directory)
     return created
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _batches(files: list[InputFile], text_key: str, counter: list[int], stats: dict[str, int]) -> Iterator[list[str]]:

@@ -33,6 +33,7 @@ import recipes
 from bridge_ext.cache import ENV_CACHE as _ENV_CACHE
 from bridge_ext.cache import cache_root
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import rename_into_place
 
 __all__ = [
     "CORPUS_MAX_BYTES",
@@ -190,11 +191,7 @@ def ensure_text_corpus(*, force: bool = False, quiet: bool = False) -> tuple[str
             old = parent / f".old-{key[:16]}-{os.getpid()}"  # --force, or a half-deleted entry
             final.rename(old)
             shutil.rmtree(old, ignore_errors=True)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process renamed its identical build into place just now
-            if not Path(f"{prefix}.json").is_file():
-                raise
+        rename_into_place(tmp, final, marker=f"{_PREFIX_NAME}.json")  # or another process's identical build
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(prefix), True

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.runtime import write_atomic
+
 __all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
            "graceful_stop", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker", "start_results_server",
            "stop_line"]
@@ -159,8 +161,8 @@ def _uncommit(save: _Save) -> None:
                 os.unlink(root / name)
         _fsync(root)
         return
-    _replace_atomically(root / TRACKER_PT, (iteration_dir(root, older[-1]) / "train_state.pt").read_bytes())
-    _replace_atomically(root / TRACKER_TXT, str(older[-1]).encode())
+    write_atomic(root / TRACKER_PT, (iteration_dir(root, older[-1]) / "train_state.pt").read_bytes(), fsync=True)
+    write_atomic(root / TRACKER_TXT, str(older[-1]), fsync=True)
     _fsync(root)
 
 
@@ -204,15 +206,6 @@ def _fsync(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _replace_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------ resume

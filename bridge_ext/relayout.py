@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 from pathlib import Path
 from typing import Any
+
+from bridge_ext.runtime import is_rank_zero
 
 __all__ = ["load_into_this_layout", "prepare"]
 
@@ -163,7 +164,7 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     if before == now or not same_tp_pp:
         return None  # the same sharding, or a TP/PP change Megatron Bridge already handles (it says so)
     ckpt.load_rng = False
-    if os.environ.get("RANK", "0") != "0":
+    if not is_rank_zero():
         return None
     return (f"resuming {ckpt.load} (saved with EP{before}) with EP{now}: the RNG state is sharded by the "
             "expert-parallel layout and is not loaded (new per-rank RNG streams, as for a TP/PP change)")

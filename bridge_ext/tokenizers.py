@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import rename_into_place
 
 __all__ = ["KIMI_PAT_STR", "KIMI_RESERVED_SPECIAL_TOKENS", "TextTokenizer", "TokenizerKind", "check_tokenizer_fits",
            "load_tokenizer", "megatron_tokenizer_dir", "tokenizer_problem", "use_megatron_tokenizer"]
@@ -319,11 +320,7 @@ def megatron_tokenizer_dir(directory: str | Path, *, quiet: bool = True) -> Path
     tmp.mkdir()
     try:
         _write_converted(tok, tmp)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process (another rank) renamed its identical conversion into place
-            if not (final / "tokenizer.json").is_file():
-                raise
+        rename_into_place(tmp, final, marker="tokenizer.json")  # or another rank's identical conversion
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import is_last_rank, is_rank_zero, world_size
 
 if TYPE_CHECKING:
     from recipes import Recipe
@@ -74,7 +75,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
 
         cpu_mode.enable_cpu_mode()
         note = cpu_mode.configure_for_cpu(cfg)
-        if note and not quiet and os.environ.get("RANK", "0") == "0":
+        if note and not quiet and is_rank_zero():
             print(note, file=sys.stderr, flush=True)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
     from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
@@ -107,12 +108,11 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     saves_torch_dist = bool(cfg.checkpoint.save) and cfg.checkpoint.ckpt_format == "torch_dist"
     kill_safe.keep_helpers_with_trainer(start_now=saves_torch_dist)
     note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and is_rank_zero():
         print(note, file=sys.stderr, flush=True)
     from bridge_ext import relayout
-    from bridge_ext.cpu_config import launched_world_size
 
-    note = relayout.prepare(cfg, world_size=launched_world_size())
+    note = relayout.prepare(cfg, world_size=world_size())
     if note:
         print(note, file=sys.stderr, flush=True)
     stop = kill_safe.graceful_stop()
@@ -140,7 +140,7 @@ def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "au
     import signal
 
     prepared = prepare(recipe, cfg, device=device, data=data)
-    say = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
+    say = print if is_rank_zero() else (lambda *a, **k: None)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
     say(f"data: {prepared.data}", file=sys.stderr)
@@ -178,7 +178,7 @@ def records_losses_here() -> bool:
     dist = torch.distributed
     if dist.is_initialized():
         return dist.get_rank() == dist.get_world_size() - 1
-    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    return is_last_rank()
 
 
 def loss_recorder(path: Path, *, extra: dict[str, Any] | None = None):

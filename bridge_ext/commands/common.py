@@ -1,12 +1,12 @@
 """What the ``nemo llm`` commands share: the command table's entry type, the parser, the options of the two
-training commands, the resolve step (recipe + layout + preset + YAML + overrides), the dry run's summary,
-atomic writes and the rank helpers. Imports neither torch nor Megatron (the resolve step loads them).
+training commands, the resolve step (recipe + layout + preset + YAML + overrides), the dry run's summary and
+``--to-yaml``'s write (rank checks and atomic writes: ``bridge_ext.runtime``). Imports neither torch nor Megatron
+(the resolve step loads them).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import is_rank_zero, launcher_world_size, write_atomic
 
 if TYPE_CHECKING:
     from bridge_ext.build import Resolved
 
-__all__ = ["PART_SELECTORS", "Command", "Parser", "add_training_arguments", "check_new_file", "error", "is_rank_zero",
-           "launched_world_size", "resolve", "run_line", "select_recipe", "show_or_write", "split_part_selectors",
-           "summary", "write_atomic"]
+__all__ = ["PART_SELECTORS", "Command", "Parser", "add_training_arguments", "check_new_file", "error", "resolve",
+           "run_line", "select_recipe", "show_or_write", "split_part_selectors", "summary", "write_new_file"]
 
 PART_SELECTORS = ("preset", "layout")  # `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout
 
@@ -63,17 +63,6 @@ def error(text: str) -> None:
     sys.stderr.flush()
 
 
-# ---------------------------------------------------------------------------------------------- ranks
-def launched_world_size() -> int | None:
-    """The number of ranks when launched by torchrun (or another launcher that sets WORLD_SIZE)."""
-    value = os.environ.get("WORLD_SIZE")
-    return int(value) if value and value.isdigit() else None
-
-
-def is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 # -------------------------------------------------------------------------------------------- writing
 def check_new_file(path: str | Path | None, *, overwrite: bool) -> None:
     """Refuse an existing ``--to-yaml`` target before anything slow runs."""
@@ -81,14 +70,13 @@ def check_new_file(path: str | Path | None, *, overwrite: bool) -> None:
         raise UserError(f"{path} exists; pass --overwrite to replace it")
 
 
-def write_atomic(path: Path, text: str, *, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
-        raise UserError(f"{path} exists; pass --overwrite to replace it")
+def write_new_file(path: Path, text: str, *, overwrite: bool) -> None:
+    """``--to-yaml``'s write: refused when ``path`` exists (without ``overwrite``) or its directory does not;
+    atomic (a reader sees the old file or the whole new one)."""
+    check_new_file(path, overwrite=overwrite)
     if not path.parent.exists():
         raise UserError(f"directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomic(path, text)
 
 
 # ------------------------------------------------------------------------------ pretrain and finetune
@@ -143,7 +131,7 @@ def resolve(args: argparse.Namespace, *, get: Callable[[str], Any]) -> Resolved:
         from bridge_ext.build import resolve as build
 
         return build(recipe, layout=args.layout, yaml_path=args.yaml, overrides=args.overrides,
-                     gpus=(launched_world_size() if training else None) or layout.gpus, training=training)
+                     gpus=(launcher_world_size() if training else None) or layout.gpus, training=training)
 
 
 def show_or_write(resolved: Resolved, args: argparse.Namespace, *, task_lines: list[str] = ()) -> None:
@@ -153,7 +141,7 @@ def show_or_write(resolved: Resolved, args: argparse.Namespace, *, task_lines: l
 
     text = config_to_yaml(resolved.cfg)
     if args.to_yaml:
-        write_atomic(Path(args.to_yaml), text, overwrite=args.overwrite)
+        write_new_file(Path(args.to_yaml), text, overwrite=args.overwrite)
         print(f"wrote {args.to_yaml} ({resolved.recipe.name}, layout {resolved.layout.cluster})", file=sys.stderr)
         return
     print(summary(resolved, task_lines=task_lines))

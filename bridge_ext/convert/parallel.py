@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import is_rank_zero
 
 if TYPE_CHECKING:
     from recipes.architecture import Architecture
@@ -27,7 +28,7 @@ def is_rank0() -> bool:
             return dist.get_rank() == 0
     except ImportError:
         pass
-    return os.environ.get("RANK", "0") == "0"
+    return is_rank_zero()
 
 
 def _world_size() -> int:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import rename_into_place
 
 __all__ = ["PROMPT_TEMPLATE", "VAL_EVERY", "SFTData", "load_records", "prepare_sft_data", "render_record",
            "render_records", "sft_dataset_kwargs", "tokenizer_files_digest"]
@@ -191,11 +192,7 @@ def prepare_sft_data(data: str | Path, tokenizer_dir: str | Path, *, cache: Path
         (tmp / "source.json").write_text(json.dumps({"data": str(data.absolute()), "tokenizer": str(tokenizer_dir),
                                                      "train": len(train), "validation": len(validation),
                                                      "seed": seed}) + "\n")
-        try:
-            tmp.rename(final)
-        except OSError:  # a concurrent process put the same content in place
-            if not (final / "validation.jsonl").is_file():
-                raise
+        rename_into_place(tmp, final, marker="validation.jsonl")  # or a concurrent process's same content
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return SFTData(final, len(train), len(validation), built=True)

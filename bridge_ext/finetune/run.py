@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import is_rank_zero
 
 __all__ = ["eval_recorder", "import_on_the_fly", "import_target", "read_eval", "run_finetune", "use_finetune_data"]
 
@@ -133,7 +134,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
     ``loss_extra`` is the first line of ``losses.jsonl``, as ``nemo llm compare`` writes it)."""
     from bridge_ext import training
 
-    say = print if os.environ.get("RANK", "0") == "0" and not quiet else (lambda *a, **k: None)
+    say = print if is_rank_zero() and not quiet else (lambda *a, **k: None)
     data, prepared_data, tokenizer = use_finetune_data(recipe, cfg, data)
     say(f"data: {data}: {prepared_data.train} training and {prepared_data.validation} held-out records, rendered "
         f"with {tokenizer}'s chat template, training order of seed {cfg.dataset.seed} ({prepared_data.root})",

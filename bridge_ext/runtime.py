@@ -1,0 +1,78 @@
+"""What a process of a run asks about itself, and how it writes a file another process may read.
+
+- Ranks: torchrun's environment (``RANK``, ``WORLD_SIZE``; https://pytorch.org/docs/stable/elastic/run.html),
+  readable before any process group exists; one process without torchrun is rank 0 of 1.
+- Atomic writes: the content goes to a temporary file beside the target, which is then renamed over it
+  (``os.replace``: atomic within one filesystem on POSIX), so a reader, or a rerun after a kill, sees the old
+  file or the whole new one, never a part.
+
+Imports nothing of ours and nothing heavy (torch only inside :func:`world_size`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+__all__ = ["is_last_rank", "is_rank_zero", "launcher_world_size", "rename_into_place", "world_size", "write_atomic"]
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+def is_rank_zero() -> bool:
+    """Whether torchrun's ``RANK`` is 0 (unset: one process, rank 0): the process that prints and writes."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def is_last_rank() -> bool:
+    """Whether torchrun's ``RANK`` is ``WORLD_SIZE - 1`` (unset: one process, which is also the last)."""
+    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+
+
+def launcher_world_size() -> int | None:
+    """The number of ranks a launcher (torchrun, or another that sets ``WORLD_SIZE``) started; None without one."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def world_size() -> int:
+    """Processes in this run: the process group's size once it exists, else torchrun's ``WORLD_SIZE``, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# -------------------------------------------------------------------------------------------- writing
+def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = False) -> None:
+    """Replace ``path``'s content by ``data`` (text is written as UTF-8) in one rename.
+
+    The temporary file is ``.<name>.tmp<pid>`` in the same directory (same filesystem; one per process, so two
+    ranks writing the same file do not share it). ``fsync``: the bytes reach the disk before the rename (a
+    checkpoint tracker that must survive a crash of the machine, not only of the process). On any failure the
+    temporary file is removed and ``path`` keeps its old content (or stays absent)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+            if fsync:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def rename_into_place(staged: Path, final: Path, *, marker: str) -> None:
+    """Rename the directory ``staged`` (built beside ``final``) to ``final``. Another process that built the same
+    content and renamed it into place first (``final/marker`` exists) is not an error: ``staged`` stays for the
+    caller to remove."""
+    try:
+        staged.rename(final)
+    except OSError:
+        if not (final / marker).is_file():
+            raise
