@@ -78,6 +78,15 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         if note and not quiet and is_rank_zero():
             print(note, file=sys.stderr, flush=True)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
+    else:
+        from bridge_ext.stack import have_transformer_engine
+
+        if not have_transformer_engine():  # a bare PyTorch image: the local spec on the GPU (bridge_ext.without_te)
+            from bridge_ext.without_te import configure_without_te
+
+            note = configure_without_te(cfg)
+            if not quiet and is_rank_zero():
+                print(note, file=sys.stderr, flush=True)
     from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
     from bridge_ext.muon import MuonTelemetry
     from bridge_ext.muon.presets import install_preset

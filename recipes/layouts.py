@@ -136,6 +136,9 @@ _CPU_TP2_MOE = _cpu_parallel("cpu-tp2", what="tensor parallelism with sequence p
 _CPU_PP2 = _cpu_parallel("cpu-pp2", what="two pipeline stages", pp=2)
 _CPU_EP2 = _cpu_parallel("cpu-ep2", what="expert parallelism over the two data-parallel ranks", ep=2)
 _CPU_TP2_EP2 = _cpu_parallel("cpu-tp2-ep2", what="TP2 x DP2 with the experts split EP2", gpus=4, tp=2, ep=2)
+# One GPU (the GPU tier: bench/gpu_check.sh): a proxy at the `cpu` layout's batch, in bf16.
+_H200_PROXY = replace(_CPU, cluster="h200x1", precision="bf16_mixed",
+                      why="one H200 in bf16 at the cpu layout's batch: the GPU tier's loss curves (bench/gpu_check.sh)")
 _CPU_DENSE = {"cpu": _CPU, "cpu-dp2": _CPU_DP2, "cpu-tp2": _CPU_TP2, "cpu-pp2": _CPU_PP2}
 _CPU_MOE = {**_CPU_DENSE, "cpu-tp2": _CPU_TP2_MOE, "cpu-ep2": _CPU_EP2, "cpu-tp2-ep2": _CPU_TP2_EP2}
 
@@ -147,10 +150,11 @@ _MOONLIGHT_BATCH = {"global_batch_size": 4096, "seq_length": 8192}
 
 LAYOUTS: dict[str, dict[str, Layout]] = {
     # Kimi K2 proxy: 3 layers over 2 stages, embedding + 2 layers first, 1 layer + loss last
-    "kimi_k2_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL")},
-    "moonlight_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL")},  # as kimi_k2_proxy
-    "qwen3_proxy": _CPU_DENSE,
-    "qwen3_moe_proxy": _CPU_MOE,
+    "kimi_k2_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL"), "h200x1": _H200_PROXY},
+    "moonlight_proxy": {**_CPU_MOE, "cpu-pp2": replace(_CPU_PP2, pipeline_layout="Ett|tL"),  # as kimi_k2_proxy
+                        "h200x1": _H200_PROXY},
+    "qwen3_proxy": {**_CPU_DENSE, "h200x1": _H200_PROXY},
+    "qwen3_moe_proxy": {**_CPU_MOE, "h200x1": _H200_PROXY},
     "kimi_k2": {
         "gb300x256": _KIMI_K2_GB300,
         "gb300x256-bench": replace(
@@ -208,6 +212,9 @@ LAYOUTS: dict[str, dict[str, Layout]] = {
     "qwen3_0p6b": {
         "h100x8": Layout(cluster="h100x8", gpus=8, global_batch_size=256, micro_batch_size=4,
                          why="fits one GPU: pure data parallelism"),
+        "h200x1": Layout(cluster="h200x1", gpus=1, global_batch_size=16, micro_batch_size=1,
+                         why="one H200: the GPU tier's Muon vs AdamW step (bench/gpu_check.sh); micro-batch 1 "
+                             "keeps the local spec's unfused 4K x 4K attention scores within memory"),
     },
     "qwen3_1p7b": {
         "h100x8": Layout(cluster="h100x8", gpus=8, global_batch_size=256, micro_batch_size=2,

@@ -1,0 +1,57 @@
+"""A GPU run on a machine without Transformer Engine: Megatron's own (local) layer spec, no TE kernels.
+
+The recipes target GPUs with TE (``bridge_ext.build.model_provider`` asks for the TE layer spec and TE's fused
+kernels). Where TE is not installed (a bare PyTorch image, the GPU tier's lent machine: ``bench/gpu_check.sh``),
+``--device gpu`` would fail in the first TE module. Here the model keeps its precision (bf16), process group
+(NCCL), parallel sizes, optimizer and data; only what needs TE (or apex) changes, to megatron-core's local
+modules, as CPU mode does for its model part (``bridge_ext.cpu_config``). MLA's core attention, which the local
+spec cannot build (key and value head sizes differ), is the SDPA attention of ``bridge_ext.sdpa_attention``.
+Slower than the TE path (unfused attention for GQA, no fused kernels): what it measures is the local path's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TE_FREE_PATCHES", "configure_without_te"]
+
+# Settings that need TE or apex kernels, and the value megatron-core's local modules run with.
+_TE_FREE_MODEL_SETTINGS: dict[str, Any] = {
+    "transformer_impl": "local",
+    "use_transformer_engine_full_layer_spec": False,
+    "fp8": None,  # TE's fp8 recipes
+    "gradient_accumulation_fusion": False,  # TE / apex fused_weight_gradient_mlp_cuda
+    "masked_softmax_fusion": False,  # megatron's scaled_masked_softmax CUDA extension (apex / TE builds)
+    "persist_layer_norm": False,  # apex FastLayerNorm
+    "apply_rope_fusion": False,  # TE / apex fused RoPE
+    "cross_entropy_loss_fusion": False,  # its "te" implementation
+    "moe_permute_fusion": False,  # TE's fused token permutation
+    "moe_router_fusion": False,  # TE's fused top-k / score function
+    "moe_grouped_gemm": False,  # TEGroupedMLP; the local spec then builds SequentialMLP
+    "tp_comm_overlap": False,  # TE userbuffers
+}
+
+# The patches that make megatron-core's MLA and MoE modules build without TE: the same three CPU mode applies,
+# named here so a GPU run takes only these (none of CPU mode's device stand-ins).
+TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
+
+
+def configure_without_te(cfg: Any) -> str:
+    """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE, apply :data:`TE_FREE_PATCHES`; a console note."""
+    from bridge_ext import patches
+    from bridge_ext.cpu_config import cpu_layer_spec
+
+    model = cfg.model
+    changed = [name for name, value in _TE_FREE_MODEL_SETTINGS.items()
+               if hasattr(model, name) and getattr(model, name) != value]
+    for name in changed:
+        setattr(model, name, _TE_FREE_MODEL_SETTINGS[name])
+    if getattr(model, "moe_token_dispatcher_type", None) == "flex":  # DeepEP / HybridEP need TE's build
+        model.moe_token_dispatcher_type = "alltoall"
+        changed.append("moe_token_dispatcher_type")
+    model.transformer_layer_spec = cpu_layer_spec  # megatron-core's local decoder block spec (no TE)
+    if cfg.rng is not None:
+        cfg.rng.te_rng_tracker = False
+    patches.apply("cpu", only=TE_FREE_PATCHES)
+    return ("Transformer Engine is not installed: megatron-core's local layer spec on the GPU, "
+            f"bf16 kept; off: {', '.join(changed) or 'nothing else'}")
