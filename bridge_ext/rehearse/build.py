@@ -71,6 +71,13 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
             cfg.mixed_precision = "bf16_mixed"
             notes.append(f"precision {_MXFP8} rehearsed as bf16_mixed (MXFP8's fp8 weight copies need Transformer "
                          "Engine)")
+    else:
+        from bridge_ext.stack import have_transformer_engine
+
+        if not have_transformer_engine():  # as a GPU training run without TE (bridge_ext.without_te)
+            from bridge_ext.without_te import configure_without_te
+
+            notes.append(configure_without_te(cfg))
     cfg.comm_overlap = None
     cfg.dist.use_gloo_process_groups = False  # a fake world has no Gloo peers
     for name in ("overlap_grad_reduce", "overlap_param_gather"):
