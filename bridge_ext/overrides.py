@@ -6,12 +6,16 @@ Both go through Megatron Bridge's own OmegaConf/Hydra path (``create_omegaconf_d
 values that differ from the recipe (as ``--to-yaml`` would write it) are applied. Unknown keys and values of
 the wrong type are refused. :func:`apply_user_overrides` returns the dotted keys it set: the values the user set
 explicitly, which ``bridge_ext.build`` does not derive.
+
+Commands that read a few config values without building the config (``nemo llm plan``, ``rehearse``) take their
+``key=value`` items through :func:`parse_overrides` (the value as YAML reads it) and the layout's sizes through
+:func:`layout_sizes` (:data:`LAYOUT_KEYS`): one grammar, one set of messages.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +26,72 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["apply_user_overrides", "config_to_yaml", "load_yaml_file", "override_key", "set_dotted"]
+__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "config_to_yaml", "layout_sizes", "load_yaml_file", "override_key",
+           "parse_overrides", "parse_value", "positive_int", "set_dotted", "split_override"]
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
+
+# `key=value` overrides that change a layout (recipes.layouts.Layout: the parallel sizes, batch and sequence),
+# and the Layout field each sets.
+LAYOUT_KEYS = {
+    "model.tensor_model_parallel_size": "tp", "model.pipeline_model_parallel_size": "pp",
+    "model.virtual_pipeline_model_parallel_size": "vp", "model.expert_model_parallel_size": "ep",
+    "model.expert_tensor_parallel_size": "etp", "model.context_parallel_size": "cp",
+    "model.seq_length": "seq_length", "model.pipeline_model_parallel_layout": "pipeline_layout",
+    "train.micro_batch_size": "micro_batch_size", "train.global_batch_size": "global_batch_size",
+    "gpus": "gpus",
+}
+
+
+# ------------------------------------------------------------------------------------- the key=value grammar
+def split_override(item: str, *, example: str = "optimizer.lr=2e-4") -> tuple[str, str]:
+    """(key, value text) of a ``key=value`` override; a one-line error without ``=``."""
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise UserError(f"override '{item}' is not of the form key=value (e.g. {example})")
+    return key, text
+
+
+def parse_value(text: str) -> Any:
+    """An override's value as YAML reads it (``2`` an int, ``null`` None, ``[a, b]`` a list); text YAML cannot
+    read stays text."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(items: Sequence[str], *, keys: Collection[str], command: str, example: str) -> dict[str, Any]:
+    """``{key: value}`` of ``items`` for a command that reads only ``keys`` (``command``: its name in the
+    messages); a later item for the same key wins, as on the training commands' command line."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, text = split_override(item, example=example)
+        if key not in keys:
+            raise UserError(f"`{command}` cannot take '{key}'{closest(key, keys)}; it takes: {', '.join(keys)}")
+        values[key] = parse_value(text)
+    return values
+
+
+def positive_int(key: str, value: Any) -> int:
+    """``value``, which must be an int of at least 1 (a bool is not one)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def layout_sizes(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The Layout fields that ``values`` (parsed overrides) set through :data:`LAYOUT_KEYS`: sizes positive
+    integers, except ``vp`` (None: no virtual pipeline) and ``pipeline_layout`` (megatron-core's layout string)."""
+    sizes = {}
+    for key, value in values.items():
+        name = LAYOUT_KEYS.get(key)
+        if name is None:
+            continue
+        sizes[name] = value if name == "pipeline_layout" or (name == "vp" and value is None) else positive_int(
+            key, value)
+    return sizes
 
 
 def set_dotted(cfg: Any, dotted: str, value: Any) -> None:
@@ -97,8 +163,7 @@ def _lookup(tree: Any, dotted: str) -> tuple[bool, Any]:
 
 def _check_override_keys(base: dict, overrides: list[str]) -> None:
     for item in overrides:
-        if "=" not in item:
-            raise UserError(f"override '{item}' is not of the form key=value (e.g. optimizer.lr=2e-4)")
+        split_override(item)
         key = override_key(item)
         found, _ = _lookup(base, key)
         if not found:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bridge_ext.errors import UserError, closest
+from bridge_ext.errors import UserError
+from bridge_ext.overrides import LAYOUT_KEYS, layout_sizes, parse_overrides, positive_int
 from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
 from bridge_ext.plan.ranks import RankParams, Spec, rank_params
 
@@ -28,14 +29,7 @@ BLOG = {("kimi_k2", "gb300", "muon"): 1080.0, ("kimi_k2", "gb300", "adamw"): 105
         ("qwen3_30b_a3b", "gb300", "muon"): 721.0, ("qwen3_30b_a3b", "gb300", "adamw"): 713.0}
 
 # `key=value` overrides the plan understands (the layout's and the run's sizes), and the Layout field each sets.
-OVERRIDABLE = {
-    "model.tensor_model_parallel_size": "tp", "model.pipeline_model_parallel_size": "pp",
-    "model.virtual_pipeline_model_parallel_size": "vp", "model.expert_model_parallel_size": "ep",
-    "model.expert_tensor_parallel_size": "etp", "model.context_parallel_size": "cp",
-    "model.seq_length": "seq_length", "model.pipeline_model_parallel_layout": "pipeline_layout",
-    "train.micro_batch_size": "micro_batch_size", "train.global_batch_size": "global_batch_size",
-    "gpus": "gpus",
-}
+OVERRIDABLE = LAYOUT_KEYS
 _RECOMPUTE = ("model.recompute_granularity", "model.recompute_modules", "model.recompute_method",
               "model.recompute_num_layers")
 _OPTIMIZER = ("optimizer.optimizer", "optimizer.use_distributed_optimizer")
@@ -108,39 +102,13 @@ class Plan:
         }
 
 
-def _parse_value(text: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def _apply_overrides(layout, overrides: list[str]) -> tuple[Any, dict[str, Any], dict[str, Any], int | None]:
-    sizes, recompute, optimizer, iters = {}, dict(layout.model), {}, None
-    known = (*OVERRIDABLE, *_RECOMPUTE, *_OPTIMIZER, *_OTHER)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise UserError(f"'{item}' is not KEY=VALUE; e.g. train.global_batch_size=2048")
-        if key not in known:
-            raise UserError(f"`nemo llm plan` cannot take '{key}'{closest(key, known)}; it takes: {', '.join(known)}")
-        value = _parse_value(text)
-        if key in OVERRIDABLE:
-            if OVERRIDABLE[key] != "pipeline_layout" and not (value is None and OVERRIDABLE[key] == "vp") and (
-                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise UserError(f"{key} must be a positive integer, got {text!r}")
-            sizes[OVERRIDABLE[key]] = value
-        elif key in _RECOMPUTE:
-            recompute[key.removeprefix("model.")] = value
-        elif key in _OPTIMIZER:
-            optimizer[key.removeprefix("optimizer.")] = value
-        else:
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"{key} must be a positive integer, got {text!r}")
-            iters = value
-    return replace(layout, **sizes), recompute, optimizer, iters
+    values = parse_overrides(overrides, keys=OVERRIDE_KEYS, command="nemo llm plan",
+                             example="train.global_batch_size=2048")
+    recompute = {**layout.model, **{k.removeprefix("model."): v for k, v in values.items() if k in _RECOMPUTE}}
+    optimizer = {k.removeprefix("optimizer."): v for k, v in values.items() if k in _OPTIMIZER}
+    iters = positive_int("train.train_iters", values["train.train_iters"]) if "train.train_iters" in values else None
+    return replace(layout, **layout_sizes(values)), recompute, optimizer, iters
 
 
 def _selected(opt: dict[str, Any]) -> OptimizerKind:

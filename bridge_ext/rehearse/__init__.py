@@ -271,28 +271,15 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
 
 
 def with_layout_overrides(recipe: Any, layout: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
-    """(recipe, layout) with ``key=value`` layout sizes applied (``bridge_ext.plan.OVERRIDABLE``'s keys:
+    """(recipe, layout) with ``key=value`` layout sizes applied (``bridge_ext.overrides.LAYOUT_KEYS``:
     ``model.tensor_model_parallel_size=2``, ``gpus=16``, ...); the recipe holds only that layout."""
     import dataclasses
 
-    import yaml
-
-    from bridge_ext.errors import closest
-    from bridge_ext.plan import OVERRIDABLE
+    from bridge_ext.overrides import LAYOUT_KEYS, layout_sizes, parse_overrides
 
     chosen = recipe.layout(layout)
-    sizes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or key not in OVERRIDABLE:
-            raise UserError(f"`nemo llm rehearse` takes layout sizes as KEY=VALUE, got '{item}'{closest(key, OVERRIDABLE)}"
-                            f"; keys: {', '.join(OVERRIDABLE)}")
-        value = yaml.safe_load(text)
-        field_name = OVERRIDABLE[key]
-        if field_name != "pipeline_layout" and not (field_name == "vp" and value is None) and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise UserError(f"{key} must be a positive integer, got {text!r}")
-        sizes[field_name] = value
+    sizes = layout_sizes(parse_overrides(overrides, keys=LAYOUT_KEYS, command="nemo llm rehearse",
+                                         example="model.tensor_model_parallel_size=2"))
     if not sizes:
         return recipe, chosen
     chosen = dataclasses.replace(chosen, **sizes)
