@@ -22,7 +22,7 @@ from bridge_ext import patches
 from bridge_ext.errors import UserError
 from bridge_ext.hf import apply_config_stated_fields, load_hf_config
 from bridge_ext.upstream_output import megatron_warnings_once, quiet_megatron
-from bridge_ext.patches import muon_bugs, qk_clip
+from bridge_ext.muon import checks as muon_checks
 
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
@@ -293,7 +293,7 @@ def _launch_problems(cfg: ConfigContainer, gpus: int, max_positions: int | None)
                    f"expert_model_parallel_size 1 trains the experts wrong (megatron-core reduces their gradients "
                    f"over data-parallel ranks only); set model.expert_tensor_parallel_size={tp} or "
                    f"model.expert_model_parallel_size > 1")
-    out += qk_clip.launch_problems(cfg) + muon_bugs.launch_problems(cfg)  # upstream bugs the installed code has
+    out += muon_checks.launch_problems(cfg)  # upstream Muon / QK-clip bugs the installed code has
     if max_positions and m.seq_length > max_positions:  # RoPE would run, on positions the model never had
         out.append(f"model.seq_length {m.seq_length} exceeds the model's max_position_embeddings {max_positions}")
     from bridge_ext.patches.adapters import batch_split_calculator

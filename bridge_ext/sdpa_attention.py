@@ -74,7 +74,7 @@ def _sdpa_core_attention_class():
             if not causal and attention_mask is not None:
                 mask = ~attention_mask  # Megatron masks are True where attention is forbidden
             if self.config.qk_clip or self.config.log_max_attention_logit:
-                from bridge_ext.attention_logits import max_logits
+                from bridge_ext.muon.attention_logits import max_logits
 
                 # as TE: a running max over the step's micro-batches, until clip_qk resets it; in tiles,
                 # never the [b, h, s, s] logits

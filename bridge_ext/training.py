@@ -87,7 +87,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
             note = configure_without_te(cfg)
             if not quiet and is_rank_zero():
                 print(note, file=sys.stderr, flush=True)
-    from bridge_ext.attention_logits import QKClipTracking, use_kernel_max_logit
+    from bridge_ext.muon.attention_logits import QKClipTracking, use_kernel_max_logit
     from bridge_ext.muon import MuonTelemetry
     from bridge_ext.muon.presets import install_preset
 

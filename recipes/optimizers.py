@@ -42,7 +42,7 @@ class OptimizerPreset:
     # Scheduler lengths as fractions of train.train_iters, resolved after overrides (bridge_ext.muon).
     schedule_fractions: Mapping[str, float] = field(default_factory=dict)
     # Orthogonalize a gated MLP's gate and up projections (linear_fc1 = [gate; up]) apart, as Moonlight's
-    # reference does on the HF weights (bridge_ext.muon_split); megatron-core 0.16 has no field for it.
+    # reference does on the HF weights (bridge_ext.muon.split); megatron-core 0.16 has no field for it.
     split_gate_up: bool = False
 
     def __post_init__(self):

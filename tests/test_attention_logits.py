@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from bridge_ext import attention_logits
+from bridge_ext.muon import attention_logits
 from recipes import get_recipe
 from recipes.optimizers import PRESETS
 

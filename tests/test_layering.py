@@ -225,3 +225,146 @@ def test_the_private_name_check_fails_on_a_planted_import(tmp_path):
     target = tmp_path / "bridge_ext" / "convert" / "cli.py"
     target.write_text("from bridge_ext.convert.parallel import _world_size\n" + target.read_text())
     assert private_imports(tmp_path) == ["bridge_ext/convert/cli.py:1 imports _world_size from bridge_ext.convert.parallel"]
+
+
+# --- Muon state, and what bridge_ext/patches may import ---------------------------------------------------------
+
+# What a module of bridge_ext/patches may import of ours besides its own package, bridge_ext.stack and
+# bridge_ext.errors (the ground floor): the packages whose behaviour its patches wire in (docs/architecture.md).
+WIRED_IN = ("bridge_ext.muon", "bridge_ext.kill_safe", "bridge_ext.relayout", "bridge_ext.sdpa_attention")
+PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
+# Module-level values that hold nothing mutable, whatever their name.
+_IMMUTABLE_CALLS = {"frozenset", "tuple", "str", "int", "float", "compile", "TypeVar", "Literal", "namedtuple"}
+
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """Statements that run at import: the module body and what ``if`` / ``try`` blocks there hold."""
+    out, pending = [], list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        out.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            pending += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                        *(s for handler in getattr(node, "handlers", []) for s in handler.body)]
+    return out
+
+
+def _our_imports(root: Path, path: Path, nodes) -> list[tuple[ast.AST, str]]:
+    """(node, module) for each of our modules the import statements among ``nodes`` read (``from bridge_ext import
+    patches`` reads ``bridge_ext.patches``)."""
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [(node, alias.name) for alias in node.names if _is_ours(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(root, node, path)
+            if _is_ours(module):
+                out += [(node, f"{module}.{alias.name}" if _is_module(root, f"{module}.{alias.name}") else module)
+                        for alias in node.names]
+    return out
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def patches_importing_more(root: Path) -> list[str]:
+    """Imports (at any depth) of a ``bridge_ext/patches`` module outside :data:`PATCHES_MAY_IMPORT`."""
+    found = []
+    for path in sorted((root / "bridge_ext" / "patches").rglob("*.py")):
+        for node, module in _our_imports(root, path, ast.walk(ast.parse(path.read_text()))):
+            if not _within(module, PATCHES_MAY_IMPORT):
+                found.append(f"{_where(root, path, node)} imports {module}")
+    return found
+
+
+def wired_in_applying_at_import(root: Path) -> list[str]:
+    """A package patches wire in switches its rows on through ``bridge_ext.patches`` (the registry's face) inside a
+    function: importing it never runs the registry, which imports it."""
+    found = []
+    for package in WIRED_IN:
+        base = root.joinpath(*package.split("."))
+        paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+        for path in paths:
+            tree = ast.parse(path.read_text())
+            at_import = {id(node) for node in _module_level(tree)}
+            for node, module in _our_imports(root, path, ast.walk(tree)):
+                if not _within(module, ("bridge_ext.patches",)):
+                    continue
+                if module != "bridge_ext.patches":
+                    found.append(f"{_where(root, path, node)} imports {module}")
+                elif id(node) in at_import:
+                    found.append(f"{_where(root, path, node)} imports bridge_ext.patches at import time")
+    return found
+
+
+def _names(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _mutable(value: ast.AST | None) -> bool:
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        callee = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+        return callee not in _IMMUTABLE_CALLS
+    return False
+
+
+def _callee(value: ast.AST | None) -> str:
+    if not isinstance(value, ast.Call):
+        return ""
+    return value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+
+
+def muon_state_outside_muon(root: Path) -> list[str]:
+    """Module-level mutable objects about Muon (a name or class that says Muon: ``MUON = MuonRunTime()``,
+    ``_muon_cache = {}``) in a module of ``bridge_ext`` outside ``bridge_ext/muon/``."""
+    found = []
+    muon = root / "bridge_ext" / "muon"
+    for path in _sources(root, "bridge_ext"):
+        if muon in path.parents:
+            continue
+        for node in _module_level(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                names, value = [n for t in node.targets for n in _names(t)], node.value
+            elif isinstance(node, ast.AnnAssign):
+                names, value = _names(node.target), node.value
+            else:
+                continue
+            if _mutable(value) and any("muon" in text.lower() for text in (*names, _callee(value))):
+                found.append(f"{_where(root, path, node)} {', '.join(names)}")
+    return found
+
+
+def test_muon_state_lives_in_bridge_ext_muon_only():
+    found = muon_state_outside_muon(REPO)
+    assert not found, "\n".join(found)
+
+
+def test_patches_import_only_upstream_the_stack_and_what_they_wire_in():
+    found = patches_importing_more(REPO) + wired_in_applying_at_import(REPO)
+    assert not found, "\n".join(found)
+
+
+def test_the_muon_and_patches_checks_see_what_they_look_for(tmp_path):
+    """Each check finds its planted violation in a copy of our packages (so a passing check is not a blind one)."""
+    import shutil
+
+    for package in OURS:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
+    assert muon_state_outside_muon(tmp_path) == patches_importing_more(tmp_path) == []
+    assert wired_in_applying_at_import(tmp_path) == []
+    rows = tmp_path / "bridge_ext" / "patches" / "optimizer.py"
+    rows.write_text(rows.read_text() + "\nMUON = MuonRunTime()\n_muon_seen: dict = {}\n"
+                    "def f():\n    from bridge_ext import build\n")
+    lines = len(rows.read_text().splitlines())
+    assert muon_state_outside_muon(tmp_path) == [f"bridge_ext/patches/optimizer.py:{lines - 3} MUON",
+                                                 f"bridge_ext/patches/optimizer.py:{lines - 2} _muon_seen"]
+    assert patches_importing_more(tmp_path) == [f"bridge_ext/patches/optimizer.py:{lines} imports bridge_ext.build"]
+    split = tmp_path / "bridge_ext" / "muon" / "split.py"
+    split.write_text("from bridge_ext import patches\nfrom bridge_ext.patches.optimizer import PATCHES\n"
+                     + split.read_text())
+    assert wired_in_applying_at_import(tmp_path) == [
+        "bridge_ext/muon/split.py:1 imports bridge_ext.patches at import time",
+        "bridge_ext/muon/split.py:2 imports bridge_ext.patches.optimizer"]

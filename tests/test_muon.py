@@ -227,7 +227,7 @@ def build_kimi_proxy(preset):
 def release_proxy() -> None:
     """Undo what build_kimi_proxy installed process-wide, for whatever runs next in this process."""
     from bridge_ext.muon import install_ns_coefficients
-    from bridge_ext.muon_split import install_gate_up_split
+    from bridge_ext.muon.split import install_gate_up_split
 
     install_ns_coefficients("quintic")  # megatron-core's default
     install_gate_up_split(False)

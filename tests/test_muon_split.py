@@ -41,7 +41,7 @@ def _step(cfg, model, name, grads, *, split: bool):
     from megatron.bridge.training.optim import setup_optimizer
 
     from bridge_ext.muon import install_ns_coefficients
-    from bridge_ext.muon_split import install_gate_up_split
+    from bridge_ext.muon.split import install_gate_up_split
 
     install_ns_coefficients("simple")
     install_gate_up_split(split)
@@ -100,7 +100,7 @@ def test_split_gate_up_matches_moonlight_on_the_hf_weights(kimi_proxy, part):
 
 @pytest.mark.slow
 def test_only_gated_fc1_weights_are_flagged(kimi_proxy):
-    from bridge_ext.muon_split import GATE_UP_PATTERN, mark_gate_up_params
+    from bridge_ext.muon.split import GATE_UP_PATTERN, mark_gate_up_params
 
     _, model = kimi_proxy
     names = [n for n, p in model[0].named_parameters() if getattr(p, "is_gate_up", False) or

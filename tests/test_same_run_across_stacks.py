@@ -310,7 +310,7 @@ def test_ns_coefficients_that_run(recipe_name, preset_name, coefficients, cpu_mo
     from bridge_ext.build import build_config
     from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed
     from bridge_ext.muon import apply_preset, install_ns_coefficients
-    from bridge_ext.muon_split import install_gate_up_split
+    from bridge_ext.muon.split import install_gate_up_split
 
     recipe = recipes.get_recipe(recipe_name).with_preset(preset_name)
     init_single_process_distributed()

@@ -1,7 +1,7 @@
 """One test per known upstream Muon bug (shared/reference/containers.md, "Known upstream Muon bugs"), on every
 stack: each asserts that the bug's symptom is absent, through our patch where the installed code has the bug
 (``bridge_ext/patches/qk_clip.py``, ``bridge_ext/patches/muon_bugs.py``; each decided by probing or reading the
-installed code), or that the combination is refused in one line.
+installed code: ``bridge_ext/muon/checks.py``), or that the combination is refused in one line.
 
 - Megatron-LM PR 7382, QK-clip: a head whose max logit is <= 0 (NaN), the distributed optimizer's flat master.
 - Megatron-LM PR 6920 (a resume under layer-wise Muon continues from another model) and issue 2625 (a
@@ -27,7 +27,7 @@ import torch
 from ckpt_io import read_global_tensors
 
 from bridge_ext import commands
-from bridge_ext.patches import muon_bugs, qk_clip
+from bridge_ext.muon import checks
 from bridge_ext.stack import module_source
 from recipes import get_recipe
 
@@ -89,7 +89,7 @@ def test_qk_clip_leaves_a_head_with_a_nonpositive_max_logit_untouched(kimi_proxy
     m = cfg.model
     assert m.qk_clip and (m.qk_clip_threshold, m.qk_clip_alpha, m.num_attention_heads) == (TAU, 0.5, 4)
     nope, rope, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-    buggy = qk_clip.nonpositive_logit_nans(MLA, "MLASelfAttention")  # the installed upstream, on a stub
+    buggy = checks.nonpositive_logit_nans(MLA, "MLASelfAttention")  # the installed upstream, on a stub
     assert ("qk-clip-nonpositive-logit-mla" in patches.applied()) == buggy
     layers = model[0].module.decoder.layers
     attention = layers[2].self_attention
@@ -138,7 +138,7 @@ def test_qk_clip_as_it_runs_now_keeps_a_negative_head_on_mla_and_gqa(cpu_mode):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     for module, cls in ((MLA, MLASelfAttention), (GQA, SelfAttention)):
-        assert not qk_clip.nonpositive_logit_nans(module, cls.__name__, clip_qk=cls.clip_qk), cls.__name__
+        assert not checks.nonpositive_logit_nans(module, cls.__name__, clip_qk=cls.clip_qk), cls.__name__
 
 
 def test_qk_clip_on_adamws_sharded_master_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_qk_clip_on_adamws_sharded_master_is_refused_in_one_line(capsys, tmp_pat
     matrix; AdamW's distributed optimizer keeps a flat shard of it (bf16 runs): refused before the launch
     where the installed ``clip_qk`` fails on such a shard."""
     code, err = _dryrun(capsys, tmp_path, monkeypatch, "--recipe", "kimi_k2_adamw", "model.qk_clip=true")
-    if qk_clip.sharded_master_fails():
+    if checks.sharded_master_fails():
         _refused(code, err, tmp_path, "model.qk_clip", "PR 7382", "use_distributed_optimizer=false")
     else:
         assert "PR 7382" not in err
@@ -172,7 +172,7 @@ def test_layer_wise_optimizer_files_with_the_torch_format(capsys, tmp_path, monk
     that each iteration keeps its own files."""
     code, err = _dryrun(capsys, tmp_path, monkeypatch, "--recipe", "qwen3_proxy_muon", "layout=cpu-dp2",
                         "checkpoint.ckpt_format=torch", f"checkpoint.save={tmp_path / 'ckpt'}")
-    if muon_bugs.layer_wise_file_in_root():
+    if checks.layer_wise_file_in_root():
         _refused(code, err, tmp_path, "checkpoint.ckpt_format=torch", "issue 2307", "torch_dist")
     else:
         assert "issue 2307" not in err
@@ -220,7 +220,7 @@ def _launch(tmp: Path) -> dict[str, Path]:
             phase("R", "cpu-dp2", 2, f"checkpoint.load={runs['S']}", "checkpoint.ckpt_step=1"),
             phase("P1", "cpu-pp2", 2, f"checkpoint.load={runs['S']}", "checkpoint.ckpt_step=1"),
             phase("P2", "cpu-pp2", 3, f"checkpoint.load={runs['P1']}")]
-    if not muon_bugs.layer_wise_file_in_root():
+    if not checks.layer_wise_file_in_root():
         plan.append(phase("T", "cpu-dp2", 2, "checkpoint.ckpt_format=torch"))
     (tmp / "plan.json").write_text(json.dumps({"phases": plan}))
     command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "2",

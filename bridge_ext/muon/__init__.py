@@ -1,12 +1,23 @@
 """Muon done right: preset application, MuonClip (QK-clip), a routing manifest and Newton-Schulz telemetry.
 
-One module per job, each usable alone:
+Muon's run-time state and code live here, nowhere else (tests/test_layering.py): ``bridge_ext.patches`` only
+declares the rows (``patches/optimizer.py``, ``patches/qk_clip.py``) that put these functions in place of
+megatron-core's, as ``patches/checkpointing.py`` does with ``bridge_ext.kill_safe``. One module per job, each
+usable alone:
+
+* :mod:`bridge_ext.muon.runtime`: the process-wide state the patched code reads at every call (:data:`MUON`:
+  Newton-Schulz coefficients, gate/up split) and the names of the ``muon`` scope's patches.
 
 * :mod:`bridge_ext.muon.presets`: presets at run time (:func:`apply_preset`, :func:`resolve_schedule`,
   :func:`install_ns_coefficients`): what a ``recipes.optimizers.MuonPreset`` needs beyond the
   ``OptimizerConfig``/``SchedulerConfig`` fields that ``bridge_ext.build`` already applies.
+* :mod:`bridge_ext.muon.split`: the gate/up split (:func:`~bridge_ext.muon.split.install_gate_up_split`):
+  a gated MLP's ``[gate; up]`` orthogonalized per half, as Moonlight's reference Muon does.
 * :mod:`bridge_ext.muon.clip`: MuonClip (:func:`clip_qk`, :func:`install_muon_clip`), the per-head QK-clip of
   Kimi K2 (arXiv 2507.20534, Algorithm 1) through megatron-core 0.16's ``MultiLatentAttention.clip_qk``.
+* :mod:`bridge_ext.muon.attention_logits`: the per-head maximum attention logit QK-clip and telemetry read.
+* :mod:`bridge_ext.muon.checks`: what the installed stack gets wrong about Muon and QK-clip (probes, and the
+  launch checks ``bridge_ext.build.launch_problems`` runs).
 * :mod:`bridge_ext.muon.manifest`: the routing manifest (:func:`muon_plan`): every parameter of a recipe's
   model, from its shipped HF ``config.json`` alone (no torch), its optimizer, Muon split and NS FLOPs.
 * :mod:`bridge_ext.muon.telemetry`: :class:`MuonTelemetry`, update RMS, NS orthogonality error and the
@@ -18,7 +29,7 @@ Kimi K2, arXiv 2507.20534; Keller Jordan, "Muon" (2024); megatron-core 0.16.1 ``
 ``orthogonalized_optimizers``. Importing this package imports neither torch nor Megatron.
 """
 
-from bridge_ext.attention_logits import track_attention_logits
+from bridge_ext.muon.attention_logits import track_attention_logits
 from bridge_ext.muon.clip import clip_qk, install_muon_clip
 from bridge_ext.muon.manifest import MuonPlan, PlanRow, format_plan, muon_plan, newton_schulz_flops
 from bridge_ext.muon.presets import (

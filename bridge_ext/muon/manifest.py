@@ -193,7 +193,7 @@ def _plan_rows(arch: Architecture, b: _PlanBuilder) -> None:
             b.add(A + "k_layernorm.weight", (d,), layers=every)
         b.add(A + "linear_proj.weight", (h, heads * d), layers=every, tp_dim=1)
     b.add(L + "pre_mlp_layernorm.weight", (h,), layers=every)
-    # linear_fc1 = [gate; up]: one matrix, or two with the preset's split_gate_up (bridge_ext.muon_split)
+    # linear_fc1 = [gate; up]: one matrix, or two with the preset's split_gate_up (bridge_ext.muon.split)
     split_gate_up = b.split_gate_up
     fused = ("gate and up orthogonalized apart" if split_gate_up
              else "none (gate and up fused, orthogonalized together)")

@@ -1,4 +1,4 @@
-"""Muon presets at run time: what a ``recipes.optimizers.MuonPreset`` needs beyond the fields ``bridge_ext.build`` applies.
+"""Muon presets at run time: what a ``recipes.optimizers.MuonPreset`` needs beyond what ``bridge_ext.build`` applies.
 
 :func:`apply_preset` writes the preset's model fields and installs its Newton-Schulz coefficients
 (:func:`install_ns_coefficients`), the gate/up split and MuonClip; :func:`resolve_schedule` turns its schedule
@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
+from bridge_ext.muon.runtime import MUON, NS_COEFFICIENTS
+from bridge_ext.muon.split import install_gate_up_split
 
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
@@ -29,8 +31,8 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``) builds
     ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
     (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the
-    ``muon-ns-coefficients`` patch (``bridge_ext.patches.optimizer``) makes an unspecified ``coefficient_type``
-    this one. Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
+    ``muon-ns-coefficients`` patch (``bridge_ext.patches.optimizer``, making
+    :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes an unspecified ``coefficient_type`` this one. Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
     (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type``
     explicitly: there the preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``),
     and this default is never used.
@@ -38,7 +40,6 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
 
     from bridge_ext import patches
-    from bridge_ext.patches.optimizer import MUON, NS_COEFFICIENTS
 
     if coefficient_type not in _COEFFICIENT_SETS:
         raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
@@ -53,8 +54,6 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
 
 def installed_ns_coefficients() -> str:
     """The coefficient set ``TensorParallelMuon`` gets when none is passed."""
-    from bridge_ext.patches.optimizer import MUON
-
     return MUON.ns_coefficients
 
 
@@ -80,8 +79,6 @@ def install_preset(preset: OptimizerPreset) -> None:
     the MuonClip fix (:func:`install_muon_clip`). Plain presets (``nvidia_perf``, ``adamw``) install nothing:
     megatron-core's "quintic" stays."""
     if preset.kind == "muon":
-        from bridge_ext.muon_split import install_gate_up_split
-
         # the preset's field (megatron-core 0.16 has none: this is how its set gets there)
         install_ns_coefficients(preset.optimizer.get("muon_coefficient_type", preset.ns_coefficients))
         install_gate_up_split(getattr(preset, "split_gate_up", False))

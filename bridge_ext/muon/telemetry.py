@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bridge_ext.attention_logits import attentions, track_attention_logits
+from bridge_ext.muon.attention_logits import attentions, track_attention_logits
 from bridge_ext.muon.presets import installed_ns_coefficients
 
 if TYPE_CHECKING:

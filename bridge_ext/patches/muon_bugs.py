@@ -14,34 +14,22 @@ Patch (scope ``checkpointing``, applied by ``bridge_ext.training.run_pretrain``)
   Applies where the installed function, on two groups that differ only by ``max_lr``, gives one of them the
   other's (megatron-core 0.16-0.18; 0.19 adds every override key to the identifier).
 
-Refusals (one line each, :func:`launch_problems`, checked with the layout before a launch or a dry run):
-
-* ``checkpoint.ckpt_format=torch`` with layer-wise Muon (Megatron-Bridge issue 2307): Megatron Bridge's
-  ``save_checkpoint`` writes each data-parallel rank's layer-wise optimizer state to
-  ``<save>/layer_wise_optimizer_<dp rank>.pt``, in the checkpoint root: every save overwrites the previous
-  iteration's, which then resumes with another iteration's optimizer state. Decided by where the installed
-  ``save_checkpoint`` joins that file name (every release read: megatron-bridge 0.3.0-0.6.2).
-* ``dist_muon``/``muon`` with ``use_distributed_optimizer`` (Megatron-LM issue 2164): where the installed
-  ``optimizer/muon.py`` refuses it ("muon with dist optimizer is not supported", megatron-core 0.16/0.17), the
-  error comes after the model is built and reads as if distributed Muon did not exist; ``dist_muon`` is the
-  layer-wise distributed Muon already. Decided by that source text.
+The launch checks for layer-wise Muon (Megatron-Bridge issue 2307, Megatron-LM issue 2164) are
+``bridge_ext.muon.checks``.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-import re
 from typing import Any
 
 from bridge_ext.patches.core import Patch
-from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from bridge_ext.stack import UpstreamDrift, package_of
 
-__all__ = ["PATCHES", "groups_collide", "launch_problems", "layer_wise_file_in_root", "pair_param_groups"]
+__all__ = ["PATCHES", "groups_collide", "pair_param_groups"]
 
 _OPT = "megatron.core.optimizer.optimizer"
-_MUON = "megatron.core.optimizer.muon"
-_CKPT = "megatron.bridge.training.checkpointing"
 
 
 def _identifier(group: dict, keys: tuple[str, ...]) -> tuple:
@@ -131,45 +119,3 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-
-_JOIN = re.compile(r"optim_checkpoint_name\s*=\s*os\.path\.join\((?P<base>[^,]+),\s*f[\"']layer_wise_optimizer_")
-
-
-def layer_wise_file_in_root() -> bool:
-    """Whether the installed ``save_checkpoint`` writes ``layer_wise_optimizer_<rank>.pt`` outside the iteration
-    directory (``save_dir`` or the iteration directory's parent) rather than into it (``checkpoint_name``)."""
-    bases = {match["base"].strip() for match in _JOIN.finditer(module_source(_CKPT))}
-    if not bases:
-        if "layer_wise_optimizer_" in module_source(_CKPT):
-            raise UpstreamDrift(f"{package_of(_CKPT)}: save_checkpoint names layer_wise_optimizer_ files in a way "
-                                "bridge_ext.patches.muon_bugs does not know; it needs updating")
-        return False  # no such file written
-    unknown = bases - {"save_dir", "os.path.dirname(checkpoint_name)", "checkpoint_name"}
-    if unknown:
-        raise UpstreamDrift(f"{package_of(_CKPT)}: save_checkpoint joins layer_wise_optimizer_ files onto "
-                            f"{sorted(unknown)}; bridge_ext.patches.muon_bugs needs updating")
-    return bool(bases & {"save_dir", "os.path.dirname(checkpoint_name)"})
-
-
-def _layer_wise(opt: Any) -> bool:
-    return opt.optimizer == "dist_muon" or (opt.optimizer == "muon"
-                                            and bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)))
-
-
-def launch_problems(cfg: Any) -> list[str]:
-    """What the installed stack would get wrong, or fail on confusingly, with ``cfg``: one line each, with
-    the fix (empty when nothing)."""
-    opt = cfg.optimizer
-    out = []
-    distributed = bool(opt.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
-    if (distributed and opt.optimizer in ("muon", "dist_muon")
-            and "muon with dist optimizer is not supported" in module_source(_MUON)):
-        out.append(f"optimizer.optimizer={opt.optimizer} with use_distributed_optimizer: {package_of(_MUON)} "
-                   "runs Muon only without the distributed optimizer (dist_muon is the layer-wise distributed "
-                   "Muon already; Megatron-LM issue 2164); set optimizer.use_distributed_optimizer=false and "
-                   "ddp.use_distributed_optimizer=false")
-    if cfg.checkpoint.ckpt_format == "torch" and _layer_wise(opt) and layer_wise_file_in_root():
-        out.append(f"checkpoint.ckpt_format=torch with layer-wise Muon ({opt.optimizer}): {package_of(_CKPT)} "
-                   "writes its optimizer state to <checkpoint.save>/layer_wise_optimizer_<rank>.pt, which every "
-                   "save overwrites (Megatron-Bridge issue 2307); use checkpoint.ckpt_format=torch_dist")
-    return out

@@ -8,38 +8,38 @@ Stack fixes (scope ``stack``, every run, GPUs too):
 * ``muon-tp-mode-kwarg``: the same file (``TensorParallelMuon.orthogonalize``) calls
   ``newton_schulz_tp(..., mode=...)``; emerging-optimizers 0.3.0 renamed it ``tp_mode``. Same stacks.
 
-A Muon preset's run-time parts (scope ``muon``, applied by ``bridge_ext.muon.presets.install_preset``; what
-they do is set in :data:`MUON`, read at every call):
+A Muon preset's run-time parts (scope ``muon``, applied by ``bridge_ext.muon.presets.install_preset``): each
+row points at the function in ``bridge_ext.muon`` that does the work; what they do is set in
+``bridge_ext.muon.runtime.MUON``, read at every call:
 
 * ``muon-ns-coefficients``: megatron-core 0.16's ``get_megatron_muon_optimizer`` builds ``TensorParallelMuon``
   without a ``coefficient_type`` (always the class default "quintic") and ``OptimizerConfig`` has no field for
-  it: an unspecified ``coefficient_type`` becomes the preset's. Where megatron-core passes it explicitly
-  (0.17+: ``coefficient_type=config.muon_coefficient_type``) the default is never used.
+  it: an unspecified ``coefficient_type`` becomes the preset's (``bridge_ext.muon.runtime``). Where megatron-core
+  passes it explicitly (0.17+: ``coefficient_type=config.muon_coefficient_type``) the default is never used.
 * ``muon-gate-up-params`` / ``muon-gate-up-split``: orthogonalize a gated MLP's gate and up projections
-  (``linear_fc1`` = ``[gate; up]``) apart, as Moonlight's reference Muon does on the HF weights.
+  (``linear_fc1`` = ``[gate; up]``) apart, as Moonlight's reference Muon does on the HF weights
+  (``bridge_ext.muon.split``).
 * ``muon-clip-any-wrapper``: Megatron Bridge's training step calls megatron-core's ``qk_clip.clip_qk``, which
-  reaches the decoder as ``model_chunk.module.module`` (a Float16Module): ``AttributeError`` for fp32 models.
+  reaches the decoder as ``model_chunk.module.module`` (a Float16Module): ``AttributeError`` for fp32 models
+  (``bridge_ext.muon.clip``).
 
 Muon over LoRA adapters (scope ``lora-muon``): ``muon-lora-no-empty-adam``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
-import math
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from bridge_ext.attention_logits import attentions
+from bridge_ext.muon.clip import bridge_clip_qk
+from bridge_ext.muon.runtime import GATE_UP_SPLIT, NS_COEFFICIENTS, ns_coefficients_default
+from bridge_ext.muon.split import gate_up_apart, marking_gate_up
 from bridge_ext.patches.core import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, package_of, signature_params
 
-__all__ = ["GATE_UP_PATTERN", "GATE_UP_SPLIT", "MUON", "MUON_CLIP", "NS_COEFFICIENTS", "PATCHES", "MuonRunTime",
-           "clip_qk", "flag_main_params", "mark_gate_up_params", "renamed_kwarg"]
+__all__ = ["PATCHES", "renamed_kwarg"]
 
 _MUON = "megatron.core.optimizer.muon"
 
@@ -102,16 +102,6 @@ def _tp_mode_shim(newton_schulz_tp: Callable) -> Callable:
 # --- a Muon preset's run-time parts (scope "muon") -----------------------------------------------------------
 
 
-@dataclass
-class MuonRunTime:
-    """What the ``muon`` patches read at every call (process-wide; set by ``bridge_ext.muon``)."""
-
-    ns_coefficients: str = "quintic"  # what TensorParallelMuon gets when none is passed (0.16's default)
-    split_gate_up: bool = False  # orthogonalize gate and up of a gated linear_fc1 apart
-
-
-MUON = MuonRunTime()
-
 # Where megatron-core defines TensorParallelMuon: optimizer/muon.py (0.16-0.17), optimizer/emerging_optimizers.py
 # (0.18+). One patch per home; each applies where the class is defined there.
 _TPM_HOMES = (_MUON, "megatron.core.optimizer.emerging_optimizers")
@@ -125,114 +115,6 @@ def _defines_tensor_parallel_muon(module: str) -> Callable[[], bool]:
         return cls is not None and cls.__module__ == module
 
     return needed
-
-
-def _ns_default(original: Callable) -> Callable:
-    @functools.wraps(original)  # inspect.signature() sees upstream's parameters through __wrapped__
-    def __init__(self, *args: Any, coefficient_type: str | None = None, **kwargs: Any) -> None:
-        original(self, *args, coefficient_type=coefficient_type or MUON.ns_coefficients, **kwargs)
-        self.coefficient_type = coefficient_type or MUON.ns_coefficients  # what it runs: for telemetry and tests
-
-    return __init__
-
-
-# linear_fc1 of dense MLPs and shared experts (``weight``), TE grouped-GEMM experts (``weight<i>``) and
-# sequential experts (``local_experts.<i>.linear_fc1.weight``).
-GATE_UP_PATTERN = re.compile(r"(^|\.)linear_fc1\.weight\d*$")
-
-
-def mark_gate_up_params(model_chunks: Any) -> int:
-    """Flag ``is_gate_up`` on every 2-D ``linear_fc1`` weight of a gated MLP; returns how many."""
-    count = 0
-    for chunk in model_chunks:
-        if not getattr(chunk.config, "gated_linear_unit", False):
-            continue
-        for name, param in chunk.named_parameters():
-            if param.dim() == 2 and GATE_UP_PATTERN.search(name):
-                param.is_gate_up = True
-                count += 1
-    return count
-
-
-def flag_main_params(optimizer: Any) -> int:
-    """Copy ``is_gate_up`` from model parameters to the fp32 main parameters Muon steps; returns how many.
-
-    A mixed-precision optimizer (``Float16OptimizerWithFloat16Params``, also each member of the layer-wise
-    ``dist_muon``) steps fp32 copies, which carry only megatron-core's own attributes
-    (``tensor_parallel.copy_tensor_model_parallel_attributes``: ``is_qkv``, ``expert_tp``, the TP ones): without
-    this, a bf16 run would orthogonalize gate and up together despite the preset (measured by ``nemo llm
-    rehearse``: Newton-Schulz on the whole linear_fc1)."""
-    count, pending = 0, [optimizer]
-    while pending:
-        member = pending.pop()
-        pending.extend(getattr(member, "chained_optimizers", ()))
-        for model_group, main_group in zip(getattr(member, "float16_groups", ()),
-                                           getattr(member, "fp32_from_float16_groups", ())):
-            for model_param, main_param in zip(model_group, main_group):
-                if getattr(model_param, "is_gate_up", False) and main_param is not model_param:
-                    main_param.is_gate_up = True
-                    count += 1
-    return count
-
-
-def _marking_gate_up(build: Callable) -> Callable:
-    def get_megatron_muon_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
-        mark_gate_up_params(model_chunks)  # only the model knows which weights are gated: flagged by name
-        optimizer = build(config, model_chunks, *args, **kwargs)
-        flag_main_params(optimizer)  # bf16: Muon steps fp32 copies, which megatron-core does not flag
-        return optimizer
-
-    return get_megatron_muon_optimizer
-
-
-def _gate_up_apart(orthogonalize: Callable) -> Callable:
-    def orthogonalize_parts(self: Any, p: Any, grad: Any, **kwargs: Any) -> Any:
-        if not (MUON.split_gate_up and getattr(p, "is_gate_up", False)):
-            return orthogonalize(self, p, grad, **kwargs)
-        import torch
-
-        gate, up = torch.chunk(grad, 2, dim=0)  # [gate; up]: each half orthogonalized and scaled alone
-        return torch.cat([orthogonalize(self, p, gate.contiguous(), **kwargs),
-                          orthogonalize(self, p, up.contiguous(), **kwargs)], dim=0)
-
-    return orthogonalize_parts
-
-
-def clip_qk(model: Any, *, log_max_only: bool = False) -> float | None:
-    """MuonClip's QK-clip after the optimizer step; returns the max attention logit (None if unmeasured).
-
-    What ``megatron.core.optimizer.qk_clip.clip_qk`` does (all-reduce the per-head maxima over DP x CP,
-    then ``self_attention.clip_qk()``), except that it finds the decoder through any wrapper: upstream
-    reads ``model_chunk.module.module.decoder``, which assumes a Float16Module and fails for fp32 models.
-    For MLA, megatron-core's ``clip_qk`` scales per head h with gamma_h = min(1, tau / S_max_h):
-    q_nope by gamma^alpha, q_rope by gamma, k_nope by gamma^(1 - alpha) (rows of ``linear_kv_up_proj``), v
-    and the shared k_rope (``linear_kv_down_proj``) untouched: Kimi K2's per-head QK-clip with alpha = 0.5.
-    """
-    import torch
-    from megatron.core import parallel_state
-
-    best = None
-    with torch.no_grad():
-        for attention in attentions(model):
-            logits = getattr(attention.core_attention, "current_max_attn_logits", None)
-            if logits is None or not hasattr(attention, "clip_qk"):
-                continue
-            if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-                torch.distributed.all_reduce(logits, op=torch.distributed.ReduceOp.MAX,
-                                             group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            best = max(best or -math.inf, float(logits.max()))
-            if log_max_only:
-                attention.core_attention.current_max_attn_logits = None
-            else:
-                attention.clip_qk()
-    return best
-
-
-def _bridge_clip_qk(old: Callable) -> Callable:
-    def bridge_clip_qk(model: Any, log_max_only: bool = False) -> float | None:
-        return clip_qk(model, log_max_only=log_max_only)
-
-    return bridge_clip_qk
 
 
 # --- Muon over LoRA adapters (scope "lora-muon") ----------------------------------------------------------------
@@ -252,15 +134,8 @@ def _without_empty_parts(build: Callable) -> Callable:
 _OPTIM = "megatron.bridge.training.optim"
 
 
-def _per_home(name: str) -> tuple[str, ...]:
-    """One patch name per home of TensorParallelMuon: ``name``, ``name (emerging_optimizers)``."""
-    return tuple(name + ("" if home == _MUON else f" ({home.rsplit('.', 1)[1]})") for home in _TPM_HOMES)
-
-
-# The muon-scope patches by job, for ``apply("muon", only=...)``.
-NS_COEFFICIENTS = _per_home("muon-ns-coefficients")
-GATE_UP_SPLIT = ("muon-gate-up-params", *_per_home("muon-gate-up-split"))
-MUON_CLIP = ("muon-clip-any-wrapper",)
+# One patch per home of TensorParallelMuon, named as bridge_ext.muon.runtime lists them.
+assert len(NS_COEFFICIENTS) == len(GATE_UP_SPLIT[1:]) == len(_TPM_HOMES)
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -294,7 +169,7 @@ PATCHES: tuple[Patch, ...] = (
         when=f"a Muon preset is installed; TensorParallelMuon is defined in {home}",
         needed=_defines_tensor_parallel_muon(home),
         snippets=('coefficient_type: str = "quintic",',),
-        make=_ns_default,
+        make=ns_coefficients_default,
     ) for name, home in zip(NS_COEFFICIENTS, _TPM_HOMES)),
     Patch(
         name="muon-gate-up-params", area="optimizer", scope="muon",
@@ -305,7 +180,7 @@ PATCHES: tuple[Patch, ...] = (
             "attributes to them: without it bf16 runs orthogonalized gate and up together)",
         when="a Muon preset is installed",
         snippets=("get_megatron_muon_optimizer(",),
-        make=_marking_gate_up,
+        make=marking_gate_up,
     ),
     *(Patch(
         name=name,
@@ -315,7 +190,7 @@ PATCHES: tuple[Patch, ...] = (
             "megatron-core stores them as one [gate; up] matrix (off unless the preset splits them)",
         when=f"a Muon preset is installed; TensorParallelMuon is defined in {home}",
         needed=_defines_tensor_parallel_muon(home),
-        make=_gate_up_apart,
+        make=gate_up_apart,
     ) for name, home in zip(GATE_UP_SPLIT[1:], _TPM_HOMES)),
     Patch(
         name="muon-clip-any-wrapper", area="optimizer", scope="muon",
@@ -325,7 +200,7 @@ PATCHES: tuple[Patch, ...] = (
         why="assumes a Float16Module: AttributeError for fp32 models; ours finds the decoder through any wrapper",
         when="a Muon preset is installed",
         snippets=("clip_qk(",),
-        make=_bridge_clip_qk,
+        make=bridge_clip_qk,
     ),
     Patch(
         name="muon-lora-no-empty-adam", area="optimizer", scope="lora-muon",
