@@ -1,0 +1,56 @@
+"""One run's ``ConfigContainer`` (recipe, overrides, then compare's data, budget and seed) and the settings
+``summary.json`` records for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge_ext.compare.runs import Run, all_recipes, is_finetune
+
+__all__ = ["configure", "run_settings"]
+
+
+def configure(run: Run, *, iters: int, seed: int, data: str, common: list[str], quiet: bool):
+    """The run's ``ConfigContainer``: recipe, common and per-run overrides, then data, budget and seed.
+
+    A fine-tuning recipe's data is not applied here (``bridge_ext.finetune.run.use_finetune_data`` renders
+    it from the pretrained checkpoint's tokenizer)."""
+    from bridge_ext.build import build_config
+    from bridge_ext.data import use_text_corpus
+
+    recipe, overrides = all_recipes()[run.recipe], []
+    for item in [*common, *run.overrides]:
+        key, _, value = item.partition("=")
+        if key == "preset":  # a recipe part, like `nemo llm pretrain ... preset=NAME`
+            recipe = recipe.with_preset(value)
+        else:
+            overrides.append(item)
+    finetune = is_finetune(recipe)
+    # compare's budget last (the overrides cannot set it): the schedule's fractions follow this train_iters
+    cfg = build_config(recipe, overrides=overrides, values={"train.train_iters": iters})
+    cfg.rng.seed = seed
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    cfg.checkpoint.save_interval = None
+    cfg.logger.tensorboard_dir = None
+    if finetune:
+        cfg.dataset.seed = seed  # the training records' order (bridge_ext.finetune.data)
+        return cfg, recipe, f"fine-tuning data {data}"
+    cfg.dataset.random_seed = seed
+    description = "mock data (NullTokenizer)"
+    if data == "text":
+        description = use_text_corpus(cfg, quiet=quiet)
+    return cfg, recipe, description
+
+
+def run_settings(cfg, recipe) -> dict[str, Any]:
+    """What distinguishes runs, for summary.json: preset, optimizer and schedule values as trained."""
+    opt, sched = cfg.optimizer, cfg.scheduler
+    keys = ["optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps"]
+    if opt.optimizer in ("muon", "dist_muon"):
+        keys += [k for k in vars(opt) if k.startswith("muon_")]
+    out = {"preset": recipe.preset.name, **{k: getattr(opt, k) for k in keys}}
+    out.update({f"scheduler.{k}": getattr(sched, k, None) for k in (
+        "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters", "start_weight_decay",
+        "end_weight_decay")})
+    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for k, v in out.items()}
