@@ -1,0 +1,500 @@
+"""The GPU tier: what only a GPU can check, in one command on one GPU (H200, ~139 GiB), under 8 minutes.
+
+    bench/gpu_check.sh                 # installs the carried wheels if the stack is absent, then this script
+    python bench/gpu_check.py --dry-run   # CPU: prints each step, checks every recipe and layout it names
+
+Steps (each in its own process, so one failure leaves the others' numbers):
+
+1. ``env``: GPU, driver, PyTorch/CUDA, the Megatron stack and Transformer Engine; a bf16 8192^3 matmul's
+   TFLOP/s (the machine's ceiling, measured here).
+2. ``proxies``: the Kimi K2, Moonlight and Qwen3-MoE proxies, Muon and AdamW, 50 iterations each on the shipped
+   text corpus, bf16 on the GPU (layout ``h200x1``), run side by side. Loss curves are compared with
+   ``tests/gpu/reference/proxy_curves.json``; when that file is absent the curves are written to
+   ``$OUT/proxy_curves.json`` and the run says so (commit it as the reference).
+3. ``qwen3_0p6b``: the shipped Qwen3-0.6B config with random weights (layout ``h200x1``: 16 x 4K tokens per step),
+   Muon and AdamW one after the other: step time, model TFLOP/s (Megatron Bridge's own FLOP count), the
+   optimizer step's time and Newton-Schulz's share of the step (CUDA events around each), peak memory.
+4. ``rehearse``: ``nemo llm rehearse --device cuda`` of that recipe and layout beside the real run's
+   ``torch.cuda.max_memory_allocated()`` (ratio), and ``nemo llm plan``'s total.
+
+Writes ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.md`` (the table for docs/launch.md); each run's log, losses
+and dataset cache go to ``--work-dir`` (default ``$OUT/work``).
+Where Transformer Engine is not installed the GPU runs take megatron-core's local spec (``bridge_ext.without_te``)
+and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PROXIES = ("kimi_k2_proxy", "moonlight_proxy", "qwen3_moe_proxy")
+PRESETS = ("muon", "adamw")
+DENSE = "qwen3_0p6b"
+LAYOUT = "h200x1"
+REFERENCE = REPO / "tests" / "gpu" / "reference" / "proxy_curves.json"
+# bf16 runs are not bit-reproducible (atomics in backward kernels): a curve matches its reference when the mean
+# absolute difference over the run is under this, and the last-10 mean within 3 %.
+CURVE_MEAN_ABS_TOL = 0.05
+CURVE_TAIL_REL_TOL = 0.03
+
+
+def plan_steps(*, iters: int, steps: int) -> list[dict[str, Any]]:
+    """Every step the check runs, with the recipe and layout each names (what ``--dry-run`` prints and checks)."""
+    out: list[dict[str, Any]] = [{"step": "env", "what": "GPU, stack, Transformer Engine, bf16 matmul ceiling"}]
+    for model in PROXIES:
+        for preset in PRESETS:
+            out.append({"step": "proxies", "recipe": f"{model}_{preset}", "layout": LAYOUT, "iters": iters,
+                        "what": f"{iters} iterations, text corpus, bf16, loss curve vs reference"})
+    for preset in PRESETS:
+        out.append({"step": "qwen3_0p6b", "recipe": f"{DENSE}_{preset}", "layout": LAYOUT, "iters": steps,
+                    "what": "step time, model TFLOP/s, optimizer step, Newton-Schulz share, peak memory"})
+    out.append({"step": "rehearse", "recipe": f"{DENSE}_muon", "layout": LAYOUT,
+                "what": "nemo llm rehearse --device cuda and nemo llm plan beside the real run's peak memory"})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workers (each a process of its own: python bench/gpu_check.py --worker KIND ...)
+# ---------------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """torchrun's variables for one process, so Megatron Bridge's initialization makes an NCCL group of one."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def worker_env() -> dict[str, Any]:
+    import torch
+
+    from bridge_ext.stack import describe_stack, have_transformer_engine
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "stack": describe_stack(),
+                           "transformer_engine": have_transformer_engine(),
+                           "cuda_available": torch.cuda.is_available()}
+    if not torch.cuda.is_available():
+        return out
+    props = torch.cuda.get_device_properties(0)
+    out.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    out["bf16_matmul_tflops"] = round(10 * 2 * n**3 / (start.elapsed_time(end) / 1e3) / 1e12, 1)
+    return out
+
+
+class _StepClock:
+    """Megatron Bridge callback: wall time of each iteration (synchronized), CUDA-event time of each
+    ``optimizer.step()`` and of each Newton-Schulz call inside it (megatron-core's ``newton_schulz_tp``)."""
+
+    def __init__(self, *, cuda: bool = True):
+        self.cuda = cuda
+        self.steps: list[float] = []
+        self.optimizer_ms: list[float] = []
+        self.ns_ms: list[float] = []
+        self._events: list[tuple[Any, Any]] = []
+        self._t0 = 0.0
+
+    def install_ns_timer(self) -> bool:
+        import torch
+
+        try:
+            from megatron.core.optimizer import muon as core_muon
+        except ImportError:
+            return False
+        original = getattr(core_muon, "newton_schulz_tp", None)
+        if original is None or not self.cuda:
+            return False
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+
+        core_muon.newton_schulz_tp = timed
+        return True
+
+    def callback(self) -> Any:
+        import torch
+        from megatron.bridge.training.callbacks import Callback
+
+        clock = self
+
+        class StepClock(Callback):
+            def on_train_start(self, context: Any) -> None:
+                if not clock.cuda:
+                    return
+                optimizer = context.optimizer
+                original = optimizer.step
+
+                def timed_step(*args: Any, **kwargs: Any) -> Any:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = original(*args, **kwargs)
+                    end.record()
+                    end.synchronize()
+                    clock.optimizer_ms.append(start.elapsed_time(end))
+                    clock.ns_ms.append(sum(s.elapsed_time(e) for s, e in clock._events))
+                    clock._events.clear()
+                    return out
+
+                optimizer.step = timed_step
+
+            def on_train_step_start(self, context: Any) -> None:
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                clock._t0 = time.perf_counter()
+
+            def on_train_step_end(self, context: Any) -> None:
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                clock.steps.append(time.perf_counter() - clock._t0)
+
+        return StepClock()
+
+
+def worker_train(recipe_name: str, *, iters: int, data: str, work: Path, timed: bool,
+                 device: str = "gpu") -> dict[str, Any]:
+    """Train one recipe at layout h200x1 through the CLI's own pipeline; losses (and timings). ``device="cpu"``
+    runs the same code in CPU mode (fp32), only to try this script without a GPU."""
+    import statistics
+
+    import torch
+
+    from bridge_ext.build import build_config
+    from bridge_ext.training import loss_recorder, prepare, read_losses, run_pretrain
+    from recipes import get_recipe
+
+    _single_process_env()
+    recipe = get_recipe(recipe_name)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(recipe, layout=LAYOUT, values={
+        "train.train_iters": iters, "logger.log_interval": 1, "checkpoint.save": None, "checkpoint.load": None,
+        "logger.tensorboard_dir": None, "scheduler.lr_warmup_iters": max(1, min(5, iters // 5)),
+        "train.eval_iters": 0})
+    prepared = prepare(recipe, cfg, device=device, data=data, telemetry=False)
+    cuda = not prepared.use_cpu
+    cfg.dataset.path_to_cache = str(work / "index-cache")  # runs side by side: no shared index files
+    losses_path = work / "losses.jsonl"
+    losses_path.unlink(missing_ok=True)
+    clock = _StepClock(cuda=cuda)
+    callbacks = [loss_recorder(losses_path)]
+    if timed:
+        clock.install_ns_timer()
+        callbacks.append(clock.callback())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    run_pretrain(cfg, prepared, callbacks=callbacks)
+    wall = time.perf_counter() - start
+    losses = read_losses(losses_path)
+    out: dict[str, Any] = {"recipe": recipe_name, "layout": LAYOUT, "iters": iters, "wall_s": round(wall, 1),
+                           "losses": [losses[i] for i in sorted(losses)],
+                           "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+                           "transformer_engine": not getattr(cfg.model, "transformer_impl", "") == "local"}
+    if timed and clock.steps:
+        from megatron.bridge.training.utils.flop_utils import num_floating_point_operations
+
+        skip = min(3, len(clock.steps) - 1)  # warm-up: allocator, cuBLAS heuristics
+        step_s = statistics.median(clock.steps[skip:])
+        flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
+        opt_ms = statistics.median(clock.optimizer_ms[skip:]) if clock.optimizer_ms[skip:] else None
+        ns_ms = statistics.median(clock.ns_ms[skip:]) if clock.ns_ms[skip:] else None
+        out.update(step_ms=round(step_s * 1e3, 1), model_tflops=round(flops / step_s / 1e12, 1),
+                   flops_per_step=flops, optimizer_step_ms=None if opt_ms is None else round(opt_ms, 2),
+                   newton_schulz_ms=None if ns_ms is None else round(ns_ms, 2),
+                   newton_schulz_share=None if not ns_ms else round(ns_ms / (step_s * 1e3), 4),
+                   tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------------------
+
+def _spawn(args: list[str], *, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def _worker(kind: str, out_json: Path, log: Path, *extra: str) -> subprocess.Popen:
+    return _spawn([str(Path(__file__)), "--worker", kind, "--result", str(out_json), *extra], log=log)
+
+
+def _collect(proc: subprocess.Popen, out_json: Path, log: Path, *, timeout: float) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "log_tail": _tail(log)}
+    if proc.returncode == 0 and out_json.exists():
+        return {"ok": True, **json.loads(out_json.read_text())}
+    return {"ok": False, "error": f"exit {proc.returncode}", "log_tail": _tail(log)}
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def compare_curve(losses: list[float], reference: list[float]) -> dict[str, Any]:
+    """Mean absolute difference and last-10 relative difference of two loss curves (the shorter length)."""
+    n = min(len(losses), len(reference))
+    if n == 0:
+        return {"match": False, "why": "no losses"}
+    mean_abs = sum(abs(a - b) for a, b in zip(losses[:n], reference[:n])) / n
+    tail = min(10, n)
+    ours, ref = sum(losses[n - tail:n]) / tail, sum(reference[n - tail:n]) / tail
+    tail_rel = abs(ours - ref) / abs(ref)
+    return {"match": mean_abs <= CURVE_MEAN_ABS_TOL and tail_rel <= CURVE_TAIL_REL_TOL,
+            "mean_abs_diff": round(mean_abs, 4), "tail_rel_diff": round(tail_rel, 4)}
+
+
+def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    t0 = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {text}", flush=True)
+
+    if "env" in only:
+        say("env: GPU, stack, bf16 matmul")
+        results["env"] = _collect(_worker("env", work / "env.json", work / "env.log"), work / "env.json",
+                                  work / "env.log", timeout=180)
+        say(f"env: {json.dumps({k: v for k, v in results['env'].items() if k != 'log_tail'})}")
+    if "proxies" in only:
+        from bridge_ext.data import prepare_text_corpus
+
+        prepare_text_corpus(quiet=True)  # once, before the runs side by side read it
+        say(f"proxies: {len(PROXIES) * len(PRESETS)} runs of {iters} iterations side by side")
+        procs = {}
+        for model in PROXIES:
+            for preset in PRESETS:
+                name = f"{model}_{preset}"
+                procs[name] = _worker("train", work / f"{name}.json", work / f"{name}.log", "--recipe", name,
+                                      "--iters", str(iters), "--data", "text", "--work", str(work / name))
+        reference = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else None
+        runs = {}
+        for name, proc in procs.items():
+            runs[name] = _collect(proc, work / f"{name}.json", work / f"{name}.log", timeout=420)
+            if runs[name]["ok"] and reference and name in reference:
+                runs[name]["reference"] = compare_curve(runs[name]["losses"], reference[name]["losses"])
+            say(f"proxies: {name}: " + (f"loss {runs[name]['losses'][0]:.3f} -> {runs[name]['losses'][-1]:.3f}, "
+                                        f"{runs[name]['wall_s']} s" if runs[name]["ok"] else runs[name]["error"])
+                + (f", vs reference {runs[name]['reference']}" if "reference" in runs[name] else ""))
+        results["proxies"] = runs
+        if reference is None:
+            curves = {name: {"losses": r["losses"], "iters": r["iters"], "layout": LAYOUT,
+                             "gpu": results.get("env", {}).get("gpu"),
+                             "stack": results.get("env", {}).get("stack")}
+                      for name, r in runs.items() if r["ok"]}
+            (out / "proxy_curves.json").write_text(json.dumps(curves, indent=1) + "\n")
+            results["reference_written"] = str(out / "proxy_curves.json")
+            say(f"proxies: no reference curves yet; wrote {out / 'proxy_curves.json'} "
+                f"(commit it as {REFERENCE.relative_to(REPO)})")
+    if "qwen3_0p6b" in only:
+        dense = {}
+        for preset in PRESETS:  # one after the other: the timings must not share the GPU
+            name = f"{DENSE}_{preset}"
+            say(f"qwen3_0p6b: {name}, {steps} iterations")
+            dense[name] = _collect(
+                _worker("train", work / f"{name}.json", work / f"{name}.log", "--recipe", name, "--iters", str(steps),
+                        "--data", "mock", "--work", str(work / name), "--timed"),
+                work / f"{name}.json", work / f"{name}.log", timeout=420)
+            r = dense[name]
+            say(f"qwen3_0p6b: {name}: " + (
+                f"step {r.get('step_ms')} ms, {r.get('model_tflops')} TFLOP/s, optimizer {r.get('optimizer_step_ms')} "
+                f"ms, NS {r.get('newton_schulz_ms')} ms, peak {r['peak_allocated_bytes'] / 2**30:.1f} GiB"
+                if r["ok"] else r["error"]))
+        results["qwen3_0p6b"] = dense
+    if "rehearse" in only:
+        name = f"{DENSE}_muon"
+        say(f"rehearse: nemo llm rehearse --recipe {name} --layout {LAYOUT} --device cuda")
+        log = work / "rehearse.log"
+        proc = _spawn(["-m", "bridge_ext.commands", "llm", "rehearse", "--recipe", name, "--layout", LAYOUT,
+                       "--device", "cuda", "--json"], log=log, env={"MASTER_PORT": str(_free_port())})
+        try:
+            proc.wait(timeout=420)
+            text = log.read_text(errors="replace")
+            start = text.find("[")
+            rehearsal = json.loads(text[start:text.rindex("]") + 1])[0] if proc.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError) as exc:
+            proc.kill()
+            rehearsal, text = None, f"{type(exc).__name__}: {exc}"
+        plan = subprocess.run([sys.executable, "-m", "bridge_ext.commands", "llm", "plan", "--recipe", name,
+                               "--layout", LAYOUT, "--json"], cwd=REPO, capture_output=True, text=True)
+        entry: dict[str, Any] = {"ok": rehearsal is not None}
+        if rehearsal is None:
+            entry["log_tail"] = _tail(log)
+        else:
+            entry.update(cuda_max_allocated=rehearsal.get("cuda_max_allocated"), measured=rehearsal.get("measured"),
+                         planned=rehearsal.get("planned"), micro_batch=rehearsal.get("micro_batch"),
+                         notes=rehearsal.get("notes"))
+        try:
+            entry["plan"] = json.loads(plan.stdout)
+        except ValueError:
+            entry["plan_error"] = (plan.stderr or plan.stdout)[-500:]
+        real = results.get("qwen3_0p6b", {}).get(name, {})
+        if entry["ok"] and real.get("ok") and entry.get("cuda_max_allocated"):
+            entry["real_run_peak_bytes"] = real["peak_allocated_bytes"]
+            entry["rehearsal_over_real"] = round(entry["cuda_max_allocated"] / real["peak_allocated_bytes"], 3)
+        say(f"rehearse: " + (f"rehearsal peak {entry.get('cuda_max_allocated', 0) / 2**30:.2f} GiB, real run "
+                             f"{real.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB, ratio "
+                             f"{entry.get('rehearsal_over_real')}" if entry["ok"] else "failed"))
+        results["rehearse"] = entry
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "gpu_check.md").write_text(markdown(results) + "\n")
+    say(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The measured table (docs/launch.md)."""
+    env = results.get("env", {})
+    lines = [f"GPU check of {results.get('started')}: {env.get('gpu', '?')} ({env.get('memory_gib', '?')} GiB), "
+             f"PyTorch {env.get('torch', '?')} CUDA {env.get('cuda', '?')}, {env.get('stack', '?')}; "
+             f"Transformer Engine: {'yes' if env.get('transformer_engine') else 'absent (local spec)'}; "
+             f"bf16 8192^3 matmul {env.get('bf16_matmul_tflops', '?')} TFLOP/s; {results.get('seconds')} s in all.",
+             ""]
+    proxies = results.get("proxies", {})
+    if proxies:
+        lines += ["| proxy run (h200x1, bf16, 50 it.) | first loss | last loss | wall s | vs reference |",
+                  "|---|---|---|---|---|"]
+        for name, r in proxies.items():
+            if r.get("ok"):
+                ref = r.get("reference")
+                ref_text = ("match" if ref["match"] else "DIFFERS") + \
+                    f" (mean abs {ref['mean_abs_diff']}, tail {ref['tail_rel_diff']:.1%})" if ref else "written now"
+                lines.append(f"| {name} | {r['losses'][0]:.3f} | {r['losses'][-1]:.3f} | {r['wall_s']} | {ref_text} |")
+            else:
+                lines.append(f"| {name} | failed: {r.get('error')} | | | |")
+        lines.append("")
+    dense = results.get("qwen3_0p6b", {})
+    if dense:
+        lines += ["| Qwen3-0.6B (h200x1: 16 x 4096 tokens) | step ms | model TFLOP/s | optimizer step ms | "
+                  "Newton-Schulz ms (share of step) | peak GiB |", "|---|---|---|---|---|---|"]
+        for name, r in dense.items():
+            if r.get("ok"):
+                share = f" ({r['newton_schulz_share']:.1%})" if r.get("newton_schulz_share") else ""
+                lines.append(f"| {name} | {r['step_ms']} | {r['model_tflops']} | {r['optimizer_step_ms']} | "
+                             f"{r.get('newton_schulz_ms') or '-'}{share} | {r['peak_allocated_bytes'] / 2**30:.2f} |")
+            else:
+                lines.append(f"| {name} | failed: {r.get('error')} | | | | |")
+        names = list(dense)
+        if len(names) == 2 and all(dense[n].get("ok") for n in names):
+            a, b = dense[names[0]], dense[names[1]]
+            lines.append(f"\nMuon / AdamW: step time {a['step_ms'] / b['step_ms']:.3f}, optimizer step "
+                         f"{a['optimizer_step_ms'] / b['optimizer_step_ms']:.2f}x.")
+        lines.append("")
+    reh = results.get("rehearse")
+    if reh:
+        if reh.get("ok"):
+            lines.append(f"`nemo llm rehearse --device cuda` (qwen3_0p6b_muon, h200x1): max allocated "
+                         f"{reh['cuda_max_allocated'] / 2**30:.2f} GiB; the real run's "
+                         f"{reh.get('real_run_peak_bytes', 0) / 2**30:.2f} GiB; rehearsal / real "
+                         f"{reh.get('rehearsal_over_real')}.")
+        else:
+            lines.append("`nemo llm rehearse --device cuda`: failed (gpu_check.json has the log tail).")
+    return "\n".join(lines)
+
+
+def dry_run(*, iters: int, steps: int) -> int:
+    """Print each step and check every recipe and layout it names (built and validated as the run builds them)."""
+    from bridge_ext.build import build_config, validate_for_layout
+    from recipes import get_recipe
+
+    problems = []
+    for step in plan_steps(iters=iters, steps=steps):
+        line = f"{step['step']:<11} {step.get('recipe', ''):<24} {step.get('layout', ''):<7} {step['what']}"
+        if "recipe" in step:
+            recipe = get_recipe(step["recipe"])
+            layout = recipe.layout(step["layout"])
+            cfg = build_config(recipe, layout=layout.cluster, values={"train.train_iters": step.get("iters", 1)})
+            checked = validate_for_layout(cfg, gpus=layout.gpus)
+            if checked.mixed_precision != "bf16_mixed" or not checked.optimizer.bf16:
+                problems.append(f"{step['recipe']} at {layout.cluster} is not bf16")
+            line += f"  [ok: {layout.gpus} GPU, {checked.train.global_batch_size} x {checked.model.seq_length}, bf16]"
+        print(line, flush=True)
+    if not (REPO / "bench" / "gpu_check.sh").exists():
+        problems.append("bench/gpu_check.sh is missing")
+    print(f"reference curves: {REFERENCE.relative_to(REPO)} "
+          f"({'present' if REFERENCE.exists() else 'absent: the first GPU run writes them'})")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu")
+    p.add_argument("--dry-run", action="store_true", help="print the steps, check their recipes and layouts (CPU)")
+    p.add_argument("--iters", type=int, default=50, help="proxy iterations")
+    p.add_argument("--steps", type=int, default=12, help="Qwen3-0.6B iterations (the first 3 are not timed)")
+    p.add_argument("--only", default="env,proxies,qwen3_0p6b,rehearse")
+    p.add_argument("--work-dir", help="runs' logs, losses and dataset caches (default: OUT/work)")
+    p.add_argument("--worker", choices=("env", "train"), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--recipe", help=argparse.SUPPRESS)
+    p.add_argument("--data", default="text", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--timed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        result = worker_env() if args.worker == "env" else worker_train(
+            args.recipe, iters=args.iters, data=args.data, work=Path(args.work), timed=args.timed,
+            device=args.device)
+        Path(args.result).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result).write_text(json.dumps(result, default=str))
+        return 0
+    if args.dry_run:
+        return dry_run(iters=args.iters, steps=args.steps)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no GPU visible; `bench/gpu_check.sh --dry-run` checks the steps on CPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_checks(out, iters=args.iters, steps=args.steps, only=set(args.only.split(",")),
+                         work=Path(args.work_dir) if args.work_dir else out / "work")
+    failed = [k for k in ("env", "rehearse") if k in results and not results[k].get("ok")]
+    failed += [n for part in ("proxies", "qwen3_0p6b") for n, r in results.get(part, {}).items() if not r.get("ok")]
+    failed += [n for n, r in results.get("proxies", {}).items() if r.get("reference") and not r["reference"]["match"]]
+    if failed:
+        print(f"gpu check: not passed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The GPU tier's one command (bench/gpu_check.sh) is ready on every machine: its shell parses, its CPU dry run
+names every step and builds each recipe and layout it will train, and its curve comparison does what it says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_check import CURVE_MEAN_ABS_TOL, compare_curve, plan_steps  # noqa: E402
+
+
+def test_script_parses():
+    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")]).returncode == 0
+
+
+@pytest.mark.slow
+def test_dry_run_checks_every_recipe_and_layout(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "gpu")}
+    run = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = plan_steps(iters=50, steps=12)
+    lines = [line for line in run.stdout.splitlines() if line.split(" ")[0] in {s["step"] for s in steps}]
+    assert len(lines) == len(steps) == 10  # env, 3 proxies x 2 presets, Qwen3-0.6B x 2, rehearse
+    for step, line in zip(steps, lines):
+        assert line.startswith(step["step"])
+        if "recipe" in step:  # built and validated as the GPU run builds it: one GPU, bf16
+            assert step["recipe"] in line and "[ok: 1 GPU" in line and "bf16]" in line, line
+    assert "16 x 4096" in lines[7] and "8 x 128" in lines[1]
+    assert not list((tmp_path / "gpu").glob("*")), "a dry run writes nothing"
+
+
+def test_curve_comparison_by_hand():
+    ref = [8.0, 7.0, 6.0, 5.0]
+    same = compare_curve(ref, ref)
+    assert same == {"match": True, "mean_abs_diff": 0.0, "tail_rel_diff": 0.0}
+    shifted = compare_curve([x + 0.04 for x in ref], ref)  # 0.04 < the 0.05 tolerance; tail 0.04 / 6.5
+    assert shifted["match"] and shifted["mean_abs_diff"] == 0.04 and shifted["tail_rel_diff"] == round(0.04 / 6.5, 4)
+    off = compare_curve([x + 2 * CURVE_MEAN_ABS_TOL for x in ref], ref)
+    assert not off["match"] and off["mean_abs_diff"] == 0.1
+    assert compare_curve([], ref) == {"match": False, "why": "no losses"}
