@@ -29,7 +29,7 @@ def _build(recipe_name: str, cpu: bool, seed: int) -> tuple[Any, Any, Any, str]:
     from megatron.core import tensor_parallel
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu
+    from bridge_ext.cpu import configure_for_cpu
     from recipes import get_recipe
 
     cfg = build_config(get_recipe(recipe_name))
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if cpu:
-        from bridge_ext.cpu_mode import enable_cpu_mode, init_single_process_distributed
+        from bridge_ext.cpu import enable_cpu_mode, init_single_process_distributed
 
         enable_cpu_mode()
         torch.set_num_threads(args.threads)

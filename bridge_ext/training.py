@@ -71,10 +71,10 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         use_megatron_tokenizer(cfg, quiet=quiet)  # a Kimi K2 (tiktoken) directory: converted once, no remote code
     patches.apply("stack")  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
     if use_cpu:
-        from bridge_ext import cpu_mode
+        from bridge_ext import cpu
 
-        cpu_mode.enable_cpu_mode()
-        note = cpu_mode.configure_for_cpu(cfg)
+        cpu.enable_cpu_mode()
+        note = cpu.configure_for_cpu(cfg)
         if note and not quiet and is_rank_zero():
             print(note, file=sys.stderr, flush=True)
         cfg.dataset.num_workers = 0  # the batches are tiny; loader processes only compete for the cores
@@ -127,7 +127,7 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     stop = kill_safe.graceful_stop()
     owns_group = prepared.use_cpu and not torch.distributed.is_initialized()
     if owns_group:
-        from bridge_ext.cpu_mode import init_cpu_distributed
+        from bridge_ext.cpu import init_cpu_distributed
 
         init_cpu_distributed()  # one process: in-memory store, no port; several: torchrun's rendezvous over gloo
     try:

@@ -4,8 +4,8 @@ The recipes target GPUs with TE (``bridge_ext.build.model_provider`` asks for th
 kernels). Where TE is not installed (a bare PyTorch image, the GPU tier's lent machine: ``bench/gpu_check.sh``),
 ``--device gpu`` would fail in the first TE module. Here the model keeps its precision (bf16), process group
 (NCCL), parallel sizes, optimizer and data; only what needs TE (or apex) changes, to megatron-core's local
-modules, as CPU mode does for its model part (``bridge_ext.cpu_config``). MLA's core attention, which the local
-spec cannot build (key and value head sizes differ), is the SDPA attention of ``bridge_ext.sdpa_attention``.
+modules, as CPU mode does for its model part (``bridge_ext.cpu.config``). MLA's core attention, which the local
+spec cannot build (key and value head sizes differ), is the SDPA attention of ``bridge_ext.cpu.sdpa_attention``.
 Slower than the TE path (unfused attention for GQA, no fused kernels): what it measures is the local path's.
 """
 
@@ -39,7 +39,7 @@ TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
 def configure_without_te(cfg: Any) -> str:
     """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE, apply :data:`TE_FREE_PATCHES`; a console note."""
     from bridge_ext import patches
-    from bridge_ext.cpu_config import cpu_layer_spec
+    from bridge_ext.cpu.config import cpu_layer_spec
 
     model = cfg.model
     changed = [name for name, value in _TE_FREE_MODEL_SETTINGS.items()

@@ -15,14 +15,14 @@ from pathlib import Path
 
 
 def main(out: Path, cases: list[str]) -> None:
-    from bridge_ext.cpu_mode import enable_cpu_mode
+    from bridge_ext.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     import torch
     import torch.distributed as dist
 
     from bridge_ext.build import model_provider, quiet_megatron
-    from bridge_ext.cpu_config import configure_for_cpu, reset_megatron_globals
+    from bridge_ext.cpu.config import configure_for_cpu, reset_megatron_globals
     from megatron.core import parallel_state
     from recipes import get_recipe
 

@@ -61,7 +61,7 @@ def _count(model, optimizer) -> dict[str, int]:
 
 
 def main(out: Path, cases: list[str]) -> None:
-    from bridge_ext.cpu_mode import enable_cpu_mode
+    from bridge_ext.cpu import enable_cpu_mode
 
     enable_cpu_mode()  # before Megatron Bridge's imports (Transformer Engine's stand-ins)
     import torch
@@ -69,7 +69,7 @@ def main(out: Path, cases: list[str]) -> None:
     from megatron.bridge.training.callbacks import Callback
 
     from bridge_ext.build import build_config, quiet_megatron
-    from bridge_ext.cpu_mode import init_cpu_distributed, reset_megatron_globals
+    from bridge_ext.cpu import init_cpu_distributed, reset_megatron_globals
     from bridge_ext.training import prepare, run_pretrain
     from recipes import get_recipe
 

@@ -49,7 +49,7 @@ def test_tiles_give_the_max_of_the_full_logits(s, chunk, causal):
 # ------------------------------------------------------------------------------------------- real models
 def _model(recipe_name: str, preset_name: str | None = None):
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
     from bridge_ext.muon import apply_preset
 
     reset_megatron_globals()
@@ -91,7 +91,7 @@ class TensorSizes(torch.utils._python_dispatch.TorchDispatchMode):
     ("kimi_k2_proxy_muon", None),         # kimi_k2 preset, QK-clip on: the SDPA attention computes it itself
 ])
 def test_a_long_sequence_forward_never_builds_s_by_s_logits(cpu_mode, recipe_name, preset_name):
-    from bridge_ext.cpu_mode import reset_megatron_globals
+    from bridge_ext.cpu import reset_megatron_globals
 
     cfg, model = _model(recipe_name, preset_name)
     try:
@@ -137,7 +137,7 @@ def test_muon_run_logs_max_logit_per_layer_computing_only_when_it_must(cpu_mode,
     on the two logged iterations only, unless QK-clip (Kimi K2's preset) needs it on every forward."""
     from bridge_ext import training
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import reset_megatron_globals
+    from bridge_ext.cpu import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
     iters, interval = 6, 3
@@ -241,7 +241,7 @@ def _train_kimi_proxy_with_lr_0(path: str, probe: ClipProbe, tmp_path) -> None:
     through ``nemo llm pretrain``'s path (telemetry on) or ``nemo llm compare``'s worker (telemetry off)."""
     from bridge_ext import compare, training
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import reset_megatron_globals
+    from bridge_ext.cpu import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
     reset_megatron_globals()

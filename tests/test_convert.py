@@ -660,7 +660,7 @@ def make_training_run(hf: Path, save: Path, *, iterations: tuple[int, ...] = (3,
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from bridge_ext.cpu_mode import configure_for_cpu
+    from bridge_ext.cpu import configure_for_cpu
 
     cpu = prepare_runtime()
     source = inspect_hf_dir(hf)

@@ -10,7 +10,7 @@ from importlib import metadata
 import pytest
 import torch
 
-from bridge_ext import cpu_mode as cm
+from bridge_ext import cpu as cm
 from bridge_ext.hf import apply_config_stated_fields
 from bridge_ext.patches.import_time import MISSING_TE, guard_source, guarded_modules
 from bridge_ext.stack import UpstreamDrift, have_transformer_engine
@@ -28,7 +28,7 @@ def test_enable_refuses_drifted_upstream_in_one_line_and_applies_nothing(monkeyp
                      upstream="u", why="w", snippets=(f"torch.cuda.no_such_call_{n}()",),
                      make=lambda old: pytest.fail("patched despite drift")) for n in (1, 2)]
     monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, *drifted))
-    monkeypatch.setattr(cm, "_active", False)
+    monkeypatch.setattr(cm.mode, "_active", False)  # the switch's state (bridge_ext.cpu.mode)
     with pytest.raises(UpstreamDrift) as raised:
         cm.enable_cpu_mode()
     message = str(raised.value)
@@ -214,7 +214,7 @@ def test_reset_megatron_globals_clears_what_outlives_a_run(cpu_mode):
 
 
 def test_validation_without_gpu_turns_off_only_te_kernel_flags():
-    """The TE-kernel check it sidesteps (``cpu_config._TE_KERNEL_FLAGS``) is still where it was; the skipped
+    """The TE-kernel check it sidesteps (``cpu.config._TE_KERNEL_FLAGS``) is still where it was; the skipped
     GPU call is the ``validate-without-gpu`` patch (tests/test_patches.py)."""
     import inspect
 

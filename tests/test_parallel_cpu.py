@@ -51,7 +51,7 @@ ADAM_TOL = 2e-4
 def _pretrain_here(*args: str) -> None:
     """`nemo llm pretrain ARGS` in this process (one process, CPU mode)."""
     from bridge_ext import commands
-    from bridge_ext.cpu_mode import reset_megatron_globals
+    from bridge_ext.cpu import reset_megatron_globals
 
     reset_megatron_globals()
     save = next(a.split("=", 1)[1] for a in args if a.startswith("checkpoint.save="))
@@ -271,7 +271,7 @@ def test_relayout_targets_match_upstream():
                                                         ("cpu-tp2-ep2", 4, True), ("cpu-tp2", 1, False)])
 def test_configure_for_cpu_keeps_the_layout_a_launch_holds(layout, world, kept):
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu
+    from bridge_ext.cpu import configure_for_cpu
     from recipes import get_recipe
 
     recipe = get_recipe(MOE)
@@ -292,7 +292,7 @@ def test_configure_for_cpu_keeps_the_layout_a_launch_holds(layout, world, kept):
 
 def test_configure_for_cpu_refuses_a_world_size_that_cannot_hold_the_layout():
     from bridge_ext.build import build_config
-    from bridge_ext.cpu_mode import configure_for_cpu
+    from bridge_ext.cpu import configure_for_cpu
     from bridge_ext.errors import UserError
     from recipes import get_recipe
 

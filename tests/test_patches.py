@@ -34,7 +34,7 @@ PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 # megatron-bridge 0.3 exports SequentialMLP experts through int('') and keeps their local numbers under EP
 # (0.4 reads local_experts.<N> on export, 0.6 also globalizes it; 0.4's KimiK2Bridge lacks their mappings)
 SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
-# CPU mode's CUDA code where each release keeps it (bridge_ext.patches.cpu.moved: the DDP wrapping's stream in
+# CPU mode's CUDA code where each release keeps it (bridge_ext.cpu.patches.moved: the DDP wrapping's stream in
 # megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
 # tracker and the legacy GroupedMLP in 0.16 only) and the layer-wise all-gather as each release writes it
 CPU_CODE_IN_CORE_0_16 = {"cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",
@@ -101,6 +101,9 @@ APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-
 # ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
 # tests/test_upstream_muon_bugs.py)
 APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa",
+                                 # GQA QK-clip's shape error at TP > 1 (Megatron-LM issue 4646; 0.16.0, 0.17.1,
+                                 # 0.19.2 read; probed: tests/test_muon_layouts.py)
+                                 "qk-clip-gqa-tp-shapes",
                                  # megatron-core 0.16-0.19 build MLA's latent norms with layernorm_epsilon
                                  "mla-latent-norm-eps", "mla-latent-norm-eps (conversion)",
                                  # rehearsals (nemo llm rehearse): torch 2.10-2.14's Module._apply swaps fake
@@ -234,7 +237,7 @@ def test_a_vanished_attribute_is_reported(monkeypatch):
 
 def test_every_cpu_target_is_code_that_needs_the_patch():
     """A redirect is only justified by CUDA code in that module; a .cuda() caller by a .cuda( call."""
-    from bridge_ext.patches import cpu
+    from bridge_ext.cpu import patches as cpu
 
     for patch in (p for p in patches.REGISTRY if p.scope == "cpu"):
         if patch.attr == "torch":  # a one_of snippet: each of its forms
@@ -464,7 +467,7 @@ def _module_imports(path: Path) -> set[str]:
 
 
 # The packages and modules whose behaviour patches wire in (their rows in bridge_ext/patches point at them).
-WIRED_IN = {"muon", "sdpa_attention", "checkpoints", "kill_safe", "relayout"}
+WIRED_IN = {"muon", "cpu", "checkpoints", "kill_safe", "relayout"}
 
 
 def test_no_import_cycles_between_our_modules():

@@ -222,7 +222,7 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
 def stack_lines(*, muon: bool, lora: bool) -> list[str]:
     """The installed Megatron stack and the upstream fixes (bridge_ext/patches) a run of this config applies on it:
     what a run on this stack changes upstream, so that the same dry run on another container says what differs."""
-    from bridge_ext.cpu_mode import cpu_mode_active
+    from bridge_ext.cpu import cpu_mode_active
     from bridge_ext.patches import applied_here
     from bridge_ext.stack import describe_stack
 

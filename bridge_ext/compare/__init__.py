@@ -2,7 +2,7 @@
 
 Each run is Megatron Bridge's real ``pretrain()`` with ``gpt_step.forward_step`` in its own subprocess
 (``python -m bridge_ext.compare --worker SPEC``), so Megatron's process-global state never leaks from one
-run into the next; CPU mode (:mod:`bridge_ext.cpu_mode`) is used when no GPU is visible. The training
+run into the next; CPU mode (:mod:`bridge_ext.cpu`) is used when no GPU is visible. The training
 loss of every iteration is recorded by a Megatron Bridge callback (``on_train_step_end``, the averaged
 ``lm loss`` of the global batch) and streamed to ``runs/<run>/losses.jsonl``; nothing is scraped from logs.
 

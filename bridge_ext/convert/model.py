@@ -25,10 +25,10 @@ def prepare_runtime() -> bool:
     patches.apply("import")
     cpu = _use_cpu()
     if cpu:
-        from bridge_ext import cpu_mode
+        from bridge_ext import cpu as cpu_mode
 
         if not hasattr(cpu_mode, "enable_cpu_mode"):
-            raise RuntimeError("bridge_ext.cpu_mode.enable_cpu_mode is missing; CPU conversion needs it")
+            raise RuntimeError("bridge_ext.cpu.enable_cpu_mode is missing; CPU conversion needs it")
         cpu_mode.enable_cpu_mode()
     patches.apply("conversion")
     return cpu
@@ -37,14 +37,14 @@ def prepare_runtime() -> bool:
 def _configure_provider(provider: Any, *, cpu: bool, dtype: Any) -> None:
     """Settings for building the model to convert: official Megatron options, no patches.
 
-    On CPU, :func:`bridge_ext.cpu_mode.configure_for_cpu` (local layer spec, fusions off, SequentialMLP
+    On CPU, :func:`bridge_ext.cpu.configure_for_cpu` (local layer spec, fusions off, SequentialMLP
     experts, allgather dispatcher); then the checkpoint's own dtype instead of CPU mode's fp32, so an
     import holds the weights once at their stored size. No initialization: weights are loaded right after.
     """
     import torch
 
     if cpu:
-        from bridge_ext.cpu_mode import configure_for_cpu
+        from bridge_ext.cpu import configure_for_cpu
 
         configure_for_cpu(provider)
     provider.params_dtype = dtype

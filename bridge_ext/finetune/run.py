@@ -93,7 +93,7 @@ def import_on_the_fly(hf: Path, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     summary = import_hf(hf, target, console=lambda line: print(line, file=sys.stderr))
     print(summary.line(), file=sys.stderr)
-    from bridge_ext.cpu_config import reset_megatron_globals
+    from bridge_ext.cpu.config import reset_megatron_globals
 
     reset_megatron_globals()  # the import's Megatron globals (rerun state machine, ...) must not reach the run
     return target

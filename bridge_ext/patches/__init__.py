@@ -11,7 +11,8 @@ naming the package and version) and when it is applied (its scope). Modules by u
 * ``training``: Megatron Bridge's start-up, scheduler and dry-run validation.
 * ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts.
 * ``conversion``: SequentialMLP experts in Megatron Bridge's HF conversion.
-* ``cpu``: CPU mode (CUDA redirected per module, targeted patches, recompiled functions).
+* CPU mode's patches (CUDA redirected per module, targeted patches, recompiled functions) are the CPU harness's,
+  in ``bridge_ext.cpu.patches``, registered here like every other: this package is the GPU path's deviations.
 
 ``adapters`` holds the stack adapters (which upstream entry point to call; nothing is changed upstream).
 Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, for a new scope, a call of

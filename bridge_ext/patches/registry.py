@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
-from bridge_ext.patches import (checkpointing, conversion, cpu, import_time, muon_bugs, optimizer, optimizer_fields,
-                                 qk_clip, rehearse, training)
+from bridge_ext.cpu import patches as cpu
+from bridge_ext.patches import (checkpointing, conversion, import_time, muon_bugs, optimizer, optimizer_fields, qk_clip,
+                                 rehearse, training)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 

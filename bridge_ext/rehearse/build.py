@@ -1,7 +1,7 @@
 """A recipe's config for a rehearsal, and one rank's model and optimizer built from it by Megatron Bridge.
 
 The config is the recipe's own (``bridge_ext.build.build_config``: template, layout, preset) with what cannot
-run on a CPU process changed, as CPU mode does (``bridge_ext.cpu_config``): megatron-core's local layer spec
+run on a CPU process changed, as CPU mode does (``bridge_ext.cpu.config``): megatron-core's local layer spec
 (no Transformer Engine; MLA's down-projections are ``ColumnParallelLinear`` there, ``TELinear`` duplicated
 with TE), fusions off, the ``allgather`` MoE dispatcher and sequential experts (TE's grouped GEMM holds the
 same per-expert weights). Unlike CPU mode the precision stays: bf16 weights, fp32 gradients and main weights,
@@ -54,7 +54,7 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
     cfg = build_config(recipe, layout=chosen.cluster)
     notes = []
     if device == "cpu":
-        from bridge_ext.cpu_config import cpu_layer_spec
+        from bridge_ext.cpu.config import cpu_layer_spec
 
         model = cfg.model
         for name, value in REHEARSAL_MODEL_SETTINGS.items():

@@ -213,11 +213,11 @@ def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = Non
     quiet_megatron()
     patches.apply("stack")
     if device == "cpu":
-        from bridge_ext.cpu_mode import enable_cpu_mode
+        from bridge_ext.cpu import enable_cpu_mode
 
         enable_cpu_mode()
     else:
-        from bridge_ext.cpu_mode import cpu_mode_active
+        from bridge_ext.cpu import cpu_mode_active
 
         if cpu_mode_active():
             raise UserError("--device cuda in a process where CPU mode is on; run it in a process of its own")

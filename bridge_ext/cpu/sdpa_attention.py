@@ -2,7 +2,8 @@
 
 megatron-core's MLA (``transformer/multi_latent_attention.py``) builds its core attention with ``k_channels``
 and ``v_channels`` (key and value head sizes differ); Megatron's local ``DotProductAttention`` takes neither,
-so without TE (CPU mode) MLA gets this one (``bridge_ext.cpu_mode`` swaps it in). Logits equal HF's within 4e-7.
+so without TE (CPU mode; a GPU without TE, ``bridge_ext.without_te``) MLA gets this one (the ``mla-core-attention``
+patch, ``bridge_ext.cpu.patches``). Logits equal HF's within 4e-7.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""CPU mode's patches (scope ``cpu``, applied by ``bridge_ext.cpu_mode.enable_cpu_mode``, never on a GPU run).
+"""CPU mode's patches (scope ``cpu``, applied by ``bridge_ext.cpu.enable_cpu_mode``, never on a GPU run).
 
 CPU mode runs Megatron Bridge's real ``pretrain()`` loop (data, forward, backward, optimizer step, clipping, LR
 schedule, logging, torch_dist checkpoints) on CPU processes (one, or several under torchrun over gloo) for tiny
 models. It works in three ways, in order of preference:
 
-1. Official settings (``bridge_ext.cpu_config``, not patches): local layer spec, fusions off, fp32, gloo.
+1. Official settings (``bridge_ext.cpu.config``, not patches): local layer spec, fusions off, fp32, gloo.
 2. Module-scoped CUDA redirection (``redirect``): in the upstream modules the ``TORCH_ON_CPU`` tables list, the
    global name ``torch`` answers for the CPU (one patch per module, ``cuda-on-cpu <module>``); and
    ``Tensor.cuda()`` keeps tensors on the CPU (process-wide: a method cannot be scoped to a module).
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge_ext.cpu.patches import distributed, moved, single_process
+from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, tensor_stays_on_cpu, torch_proxy
 from bridge_ext.patches.core import Patch
-from bridge_ext.patches.cpu import distributed, moved, single_process
-from bridge_ext.patches.cpu.redirect import TorchOnCPU, real_torch, tensor_stays_on_cpu, torch_proxy
 
 __all__ = ["PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 

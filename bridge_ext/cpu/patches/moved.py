@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, torch_proxy
 from bridge_ext.patches.core import Patch, Snippet, one_of
-from bridge_ext.patches.cpu.redirect import TorchOnCPU, real_torch, torch_proxy
 from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
 
 __all__ = ["MOVED", "Home", "PATCHES"]
@@ -97,7 +97,7 @@ def _home_of(block: str) -> Home:
     found = next((home for home in homes if _holds(home)), None)
     if found is None:
         raise UpstreamDrift(f"{package_of(homes[-1].module)}: CPU mode finds {block} in none of "
-                            f"{', '.join(sorted({h.module for h in homes}))}; bridge_ext.patches.cpu.moved needs "
+                            f"{', '.join(sorted({h.module for h in homes}))}; bridge_ext.cpu.patches.moved needs "
                             "updating")
     return found
 

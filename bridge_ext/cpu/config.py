@@ -1,5 +1,6 @@
 """Official settings that run a Megatron Bridge config on CPU processes (one, or several under torchrun),
-process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: those are in ``bridge_ext.patches``.
+process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: CPU mode's
+are in ``bridge_ext.cpu.patches``.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def configure_for_cpu(cfg: Any, *, world_size: int | None = None) -> str | None:
     if world_size == 1:
         cfg.ddp.use_distributed_optimizer = opt.use_distributed_optimizer = False
     # dist_muon (layer-wise Muon) stays: its fp32 checkpoint save is fixed in CPU mode
-    # (patches.cpu: layer-wise-fp32-save), and over one data-parallel rank it computes plain Muon's update.
+    # (cpu.patches: layer-wise-fp32-save), and over one data-parallel rank it computes plain Muon's update.
     opt.overlap_param_gather_with_optimizer_step = False
     opt.bf16 = False
     opt.fp16 = False

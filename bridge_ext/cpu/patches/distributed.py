@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from bridge_ext.cpu.patches.redirect import real_torch
 from bridge_ext.patches.core import Patch, rewrite
-from bridge_ext.patches.cpu.redirect import real_torch
 from bridge_ext.stack import UpstreamDrift, module_source, package_of
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]
@@ -70,7 +70,7 @@ def _all_gather_form(replacements: tuple[tuple[str, str], ...]) -> bool:
     forms = (_LAYER_WISE_ALLGATHER, _LAYER_WISE_ALLGATHER_HELPER)
     if not any(form[0][0] in source for form in forms):
         raise UpstreamDrift(f"{package_of(_LAYER_WISE)}: LayerWiseDistributedOptimizer.allgather_params has none "
-                            "of the all-gathers CPU mode pads (bridge_ext.patches.cpu.distributed)")
+                            "of the all-gathers CPU mode pads (bridge_ext.cpu.patches.distributed)")
     return replacements[0][0] in source
 
 # layer_wise_optimizer.py `sharded_state_dict` (torch_dist save) reads sd['optimizer'] for every chained

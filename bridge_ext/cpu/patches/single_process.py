@@ -1,7 +1,7 @@
 """CPU mode on one process's path: the upstream code that model construction, forward/backward, the optimizer
 step, Megatron Bridge's training loop and torch_dist checkpoints reach in every run (also the multi-process
 ones), and what CPU mode does about each: a CUDA redirect (``TORCH_ON_CPU``), a targeted patch (``PATCHES``)
-or the process-wide ``Tensor.cuda`` (``TENSOR_CUDA_CALLERS``); ``bridge_ext.patches.cpu`` turns the tables into
+or the process-wide ``Tensor.cuda`` (``TENSOR_CUDA_CALLERS``); ``bridge_ext.cpu.patches`` turns the tables into
 patches. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 0.3.0-0.6.0 (a snippet a release rewrote in
 place is ``one_of`` its forms; code that moved to another module is in ``moved``).
 """
@@ -12,9 +12,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from bridge_ext.cpu.patches.redirect import real_torch
+from bridge_ext.cpu.sdpa_attention import SDPACoreAttention
 from bridge_ext.patches.core import Patch, one_of
-from bridge_ext.patches.cpu.redirect import real_torch
-from bridge_ext.sdpa_attention import SDPACoreAttention
 
 __all__ = ["CLAIMS_GPU", "PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 
@@ -136,7 +136,7 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
     ),
     # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())` (its DDP
-    # stream: bridge_ext.patches.cpu.moved)
+    # stream: bridge_ext.cpu.patches.moved)
     "megatron.bridge.models.model_provider": (
         'torch.cuda.set_device(get_local_rank_preinit())',
         'torch.distributed.init_process_group("nccl")',
