@@ -15,8 +15,8 @@ from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from bridge_ext.cpu import patches as cpu
-from bridge_ext.patches import (checkpointing, conversion, import_time, muon_bugs, optimizer, optimizer_fields, qk_clip,
-                                 rehearse, training)
+from bridge_ext.patches import (checkpointing, conversion, import_time, muon_layout, optimizer, optimizer_fields,
+                                 rehearse, training, transformer)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -26,10 +26,10 @@ REGISTRY: tuple[Patch, ...] = (
     *import_time.PATCHES,
     *optimizer.PATCHES,
     *optimizer_fields.PATCHES,
-    *qk_clip.PATCHES,
+    *transformer.PATCHES,
+    *muon_layout.PATCHES,
     *training.PATCHES,
     *checkpointing.PATCHES,
-    *muon_bugs.PATCHES,
     *conversion.PATCHES,
     *cpu.PATCHES,
     *rehearse.PATCHES,
@@ -135,7 +135,7 @@ def table() -> list[dict[str, str]]:
     return rows
 
 
-_AREAS = ("import", "optimizer", "training", "checkpointing", "conversion", "cpu", "rehearse")
+_AREAS = ("import", "optimizer", "transformer", "training", "checkpointing", "conversion", "cpu", "rehearse")
 
 
 def markdown() -> str:
