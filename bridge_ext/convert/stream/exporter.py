@@ -14,6 +14,7 @@ are read ahead by ``threads`` readers; memory is those parameters and the one be
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,29 +49,35 @@ def _sharded_chunks(skeleton: Skeleton, iter_dir: Path) -> dict[tuple[int, str],
 
 def _check_stored(chunks: TorchDistChunks, groups: dict[tuple[int, str], list[Chunk]], *, iter_dir: Path,
                   hf_source: Path) -> None:
-    """Every chunk the model needs is stored, with the model's global shape (else: a one-line UserError)."""
+    """Every region the model needs is stored, with the model's global shape, in files that are there (else: a
+    one-line UserError naming the tensor, and the file where one is missing), before anything is written."""
     for owner, pieces in groups.items():
         for chunk in pieces:
             stored = chunks.global_shape(chunk.key)
-            if stored is None or not chunks.has(chunk.key, chunk.offsets):
+            if stored is None:
                 raise UserError(f"{iter_dir} does not match the model in {hf_source}/config.json ({chunk.key} "
-                                f"{'is missing' if stored is None else f'lacks the chunk at {list(chunk.offsets)}'})")
+                                f"is missing)")  # fmt: skip
             if stored != chunk.global_shape:
                 raise UserError(f"{iter_dir} does not match the model in {hf_source}/config.json ({chunk.key} has "
                                 f"shape {list(stored)}, the model needs {list(chunk.global_shape)})")  # fmt: skip
+            problem = chunks.check_region(chunk.key, chunk.offsets, chunk.sizes)
+            if problem is not None:
+                raise UserError(f"{iter_dir} cannot be read: {problem}")
 
 
 def _assemble(chunks: TorchDistChunks, param: Any, pieces: list[Chunk]) -> Any:
-    """The parameter's full value from its stored chunks (one chunk covering it: that tensor, no copy)."""
+    """The parameter's full value from the stored chunks its pieces overlap, whatever layout saved them (one
+    stored chunk that is the whole parameter: that tensor, no copy)."""
     import torch
 
-    loaded = [chunks.read(c.key, c.offsets, c.sizes, chunks.dtype(c.key)) for c in pieces]
-    if len(pieces) == 1 and pieces[0].view[2] == 0 and loaded[0].numel() == param.numel():
-        return loaded[0].reshape(param.shape)
-    value = torch.empty(param.shape, dtype=loaded[0].dtype)
-    for chunk, tensor in zip(pieces, loaded):
+    first = pieces[0]
+    if len(pieces) == 1 and first.view[2] == 0 and math.prod(first.sizes) == param.numel():
+        if len(chunks.overlapping(first.key, first.offsets, first.sizes)) == 1:
+            return chunks.read_region(first.key, first.offsets, first.sizes).reshape(param.shape)
+    value = torch.empty(param.shape, dtype=chunks.dtype(first.key))
+    for chunk in pieces:
         size, stride, offset = chunk.view
-        value.as_strided(size, stride, offset).copy_(tensor.reshape(size))
+        chunks.read_region(chunk.key, chunk.offsets, chunk.sizes, into=value.as_strided(size, stride, offset))
     return value
 
 
