@@ -286,11 +286,17 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
     def say(text: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {text}", flush=True)
 
+    def save() -> None:  # after every step: a run stopped by its time limit keeps what it measured
+        results["seconds"] = round(time.perf_counter() - t0, 1)
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        (out / "gpu_check.md").write_text(markdown(results) + "\n")
+
     if "env" in only:
         say("env: GPU, stack, bf16 matmul")
         results["env"] = _collect(_worker("env", work / "env.json", work / "env.log"), work / "env.json",
-                                  work / "env.log", timeout=180)
+                                  work / "env.log", timeout=120)
         say(f"env: {json.dumps({k: v for k, v in results['env'].items() if k != 'log_tail'})}")
+        save()
     if "proxies" in only:
         from bridge_ext.data import prepare_text_corpus
 
@@ -303,9 +309,11 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
                 procs[name] = _worker("train", work / f"{name}.json", work / f"{name}.log", "--recipe", name,
                                       "--iters", str(iters), "--data", "text", "--work", str(work / name))
         reference = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else None
-        runs = {}
+        runs: dict[str, Any] = {}
+        started = time.perf_counter()
         for name, proc in procs.items():
-            runs[name] = _collect(proc, work / f"{name}.json", work / f"{name}.log", timeout=420)
+            runs[name] = _collect(proc, work / f"{name}.json", work / f"{name}.log",
+                                  timeout=max(10.0, 240 - (time.perf_counter() - started)))
             if runs[name]["ok"] and reference and name in reference:
                 runs[name]["reference"] = compare_curve(runs[name]["losses"], reference[name]["losses"])
             say(f"proxies: {name}: " + (f"loss {runs[name]['losses'][0]:.3f} -> {runs[name]['losses'][-1]:.3f}, "
@@ -321,6 +329,7 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
             results["reference_written"] = str(out / "proxy_curves.json")
             say(f"proxies: no reference curves yet; wrote {out / 'proxy_curves.json'} "
                 f"(commit it as {REFERENCE.relative_to(REPO)})")
+        save()
     if "qwen3_0p6b" in only:
         dense = {}
         for preset in PRESETS:  # one after the other: the timings must not share the GPU
@@ -329,13 +338,14 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
             dense[name] = _collect(
                 _worker("train", work / f"{name}.json", work / f"{name}.log", "--recipe", name, "--iters", str(steps),
                         "--data", "mock", "--work", str(work / name), "--timed"),
-                work / f"{name}.json", work / f"{name}.log", timeout=420)
+                work / f"{name}.json", work / f"{name}.log", timeout=200)
             r = dense[name]
             say(f"qwen3_0p6b: {name}: " + (
                 f"step {r.get('step_ms')} ms, {r.get('model_tflops')} TFLOP/s, optimizer {r.get('optimizer_step_ms')} "
                 f"ms, NS {r.get('newton_schulz_ms')} ms, peak {r['peak_allocated_bytes'] / 2**30:.1f} GiB"
                 if r["ok"] else r["error"]))
-        results["qwen3_0p6b"] = dense
+            results["qwen3_0p6b"] = dense
+            save()
     if "rehearse" in only:
         name = f"{DENSE}_muon"
         say(f"rehearse: nemo llm rehearse --recipe {name} --layout {LAYOUT} --device cuda")
@@ -343,7 +353,7 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
         proc = _spawn(["-m", "bridge_ext.commands", "llm", "rehearse", "--recipe", name, "--layout", LAYOUT,
                        "--device", "cuda", "--json"], log=log, env={"MASTER_PORT": str(_free_port())})
         try:
-            proc.wait(timeout=420)
+            proc.wait(timeout=180)
             text = log.read_text(errors="replace")
             start = text.find("[")
             rehearsal = json.loads(text[start:text.rindex("]") + 1])[0] if proc.returncode == 0 else None
@@ -351,7 +361,7 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
             proc.kill()
             rehearsal, text = None, f"{type(exc).__name__}: {exc}"
         plan = subprocess.run([sys.executable, "-m", "bridge_ext.commands", "llm", "plan", "--recipe", name,
-                               "--layout", LAYOUT, "--json"], cwd=REPO, capture_output=True, text=True)
+                               "--layout", LAYOUT, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
         entry: dict[str, Any] = {"ok": rehearsal is not None}
         if rehearsal is None:
             entry["log_tail"] = _tail(log)
@@ -371,9 +381,7 @@ def run_checks(out: Path, *, iters: int, steps: int, only: set[str], work: Path)
                              f"{real.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB, ratio "
                              f"{entry.get('rehearsal_over_real')}" if entry["ok"] else "failed"))
         results["rehearse"] = entry
-    results["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "gpu_check.md").write_text(markdown(results) + "\n")
+    save()
     say(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return results
 
@@ -388,21 +396,22 @@ def markdown(results: dict[str, Any]) -> str:
              ""]
     proxies = results.get("proxies", {})
     if proxies:
-        lines += ["| proxy run (h200x1, bf16, 50 it.) | first loss | last loss | wall s | vs reference |",
-                  "|---|---|---|---|---|"]
+        lines += ["| proxy run (h200x1, bf16) | iterations | first loss | last loss | wall s | vs reference |",
+                  "|---|---|---|---|---|---|"]
         for name, r in proxies.items():
             if r.get("ok"):
                 ref = r.get("reference")
                 ref_text = ("match" if ref["match"] else "DIFFERS") + \
                     f" (mean abs {ref['mean_abs_diff']}, tail {ref['tail_rel_diff']:.1%})" if ref else "written now"
-                lines.append(f"| {name} | {r['losses'][0]:.3f} | {r['losses'][-1]:.3f} | {r['wall_s']} | {ref_text} |")
+                lines.append(f"| {name} | {r['iters']} | {r['losses'][0]:.3f} | {r['losses'][-1]:.3f} | {r['wall_s']} | "
+                             f"{ref_text} |")
             else:
-                lines.append(f"| {name} | failed: {r.get('error')} | | | |")
+                lines.append(f"| {name} | failed: {r.get('error')} | | | | |")
         lines.append("")
     dense = results.get("qwen3_0p6b", {})
     if dense:
         lines += ["| Qwen3-0.6B (h200x1: 16 x 4096 tokens) | step ms | model TFLOP/s | optimizer step ms | "
-                  "Newton-Schulz ms (share of step) | peak GiB |", "|---|---|---|---|---|---|"]
+                  "Newton-Schulz ms (share of step) | peak GiB |", "|---|---|---|---|---|---|---|"]
         for name, r in dense.items():
             if r.get("ok"):
                 share = f" ({r['newton_schulz_share']:.1%})" if r.get("newton_schulz_share") else ""
