@@ -490,6 +490,20 @@ def test_no_import_cycles_between_our_modules():
         visit(module, ())
 
 
+def test_a_patch_file_is_one_area():
+    """The area is the file's (docs/patches.md groups by it): every row a module of the registry declares (CPU
+    mode's: bridge_ext/cpu/patches) has the same area, and the modules hold every registered patch."""
+    import inspect
+
+    files = {name: module for name, module in vars(registry).items()
+             if inspect.ismodule(module) and hasattr(module, "PATCHES")}
+    assert sorted(p.name for module in files.values() for p in module.PATCHES) == sorted(p.name for p in patches.REGISTRY)
+    areas = {name: {p.area for p in module.PATCHES} for name, module in files.items()}
+    assert all(len(area) == 1 for area in areas.values()), areas
+    assert areas["transformer"] == {"transformer"} and areas["checkpointing"] == {"checkpointing"}
+    assert areas["conversion"] == {"conversion"} and areas["cpu"] == {"cpu"}
+
+
 def test_a_moved_class_is_found_in_its_installed_home_or_named_as_drift():
     """``stack.first_defined``: the first home that defines the name wins; none is one line naming every home."""
     import json.decoder

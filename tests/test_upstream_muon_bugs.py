@@ -1,6 +1,6 @@
 """One test per known upstream Muon bug (shared/reference/containers.md, "Known upstream Muon bugs"), on every
 stack: each asserts that the bug's symptom is absent, through our patch where the installed code has the bug
-(``bridge_ext/patches/qk_clip.py``, ``bridge_ext/patches/muon_bugs.py``; each decided by probing or reading the
+(``bridge_ext/patches/transformer.py``, ``bridge_ext/patches/checkpointing.py``; each decided by probing or reading the
 installed code: ``bridge_ext/muon/checks.py``), or that the combination is refused in one line.
 
 - Megatron-LM PR 7382, QK-clip: a head whose max logit is <= 0 (NaN), the distributed optimizer's flat master.

@@ -7,17 +7,12 @@ Engine) in Megatron Bridge's HF <-> Megatron conversion.
 * ``sequential-expert-export``: exporting ``local_experts.<N>`` fails on ``int('')``; with EP > 1 experts are
   gathered with their global numbers.
 * ``sequential-expert-numbers``: under EP > 1 a SequentialMLP expert keeps its local number.
-* ``mla-latent-norm-eps`` (scopes ``conversion`` and ``stack``: conversion and training build the same model):
-  megatron-core's MLA normalizes the query and KV latents with the block's ``layernorm_epsilon``; DeepSeek-V3's
-  modeling code (transformers' and the releases' own) uses RMSNorm's default 1e-6 there, whatever ``rms_norm_eps``
-  says. Equal for DeepSeek-V3 and Kimi K2 (1e-6); Moonlight's 1e-5 would differ.
-* ``mla-q-projection-without-norm`` / ``mla-unused-q-norm`` (both scopes; megatron-core 0.19's
-  ``QKNormConfigResolver``): with ``q_lora_rank`` None (Moonlight) the query comes straight from the block's
-  normalized input, as in DeepSeek-V3's code; 0.19 fuses an extra norm into ``linear_q_proj`` (TE) or refuses the
-  local spec's unused ``q_layernorm`` (CPU).
 
 The last two step aside where upstream fixed them (megatron-bridge >= 0.4 reads ``local_experts.<N>`` in
 ``gather_from_ep_ranks``; >= 0.6 also globalizes it), decided from the installed code.
+
+MLA's fixes that conversion and training share (the latent norms' eps, Moonlight's query without a low rank) are
+``bridge_ext.patches.transformer``'s: they change megatron-core's attention, whoever builds it.
 """
 
 from __future__ import annotations
@@ -29,10 +24,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patches.core import Patch, rewrite
+from bridge_ext.patches.core import Patch
 from bridge_ext.stack import UpstreamDrift, package_of
 
-__all__ = ["HF_LATENT_NORM_EPS", "PATCHES", "use_hf_latent_norm_eps"]
+__all__ = ["PATCHES"]
 
 
 def _with_sequential_expert_mappings(original: Callable) -> Callable:
@@ -198,114 +193,7 @@ def _with_kimi_k2_mappings(original: Callable) -> Callable:
     return mapping_registry
 
 
-# transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention (and the releases' own
-# modeling_deepseek.py): q_a_layernorm / kv_a_layernorm = DeepseekV3RMSNorm(rank), whose eps defaults to 1e-6; only
-# the block norms (input, post-attention, final) take config.rms_norm_eps.
-HF_LATENT_NORM_EPS = 1e-6
-_MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
-_BLOCK_EPS = "eps=self.config.layernorm_epsilon"
-# where MLA keeps its latent norms: separate norms (local spec, CPU) or fused into the up projection (TE's
-# LayerNormColumnParallelLinear, whose norm reads its own `eps` in forward)
-_LATENT_NORMS = ("q_layernorm", "kv_layernorm", "linear_q_up_proj", "linear_kv_up_proj")
-
-
-def _mla_classes() -> list[type]:
-    """megatron-core's MLA attention classes whose own ``__init__`` builds the latent norms (MLASelfAttention;
-    0.19's FusedMLASelfAttention builds its own)."""
-    module = importlib.import_module(_MLA_MODULE)
-    base = module.MultiLatentAttention
-    return [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, base)
-            and cls is not base and "__init__" in vars(cls) and "kv_layernorm" in inspect.getsource(cls.__init__)]
-
-
-def _latent_norms_take_the_block_eps() -> bool:
-    classes = _mla_classes()
-    if not classes:
-        raise UpstreamDrift(f"{package_of(_MLA_MODULE)}: no MLA attention class in {_MLA_MODULE} builds kv_layernorm")
-    return any(_BLOCK_EPS in inspect.getsource(cls.__init__) for cls in classes)
-
-
-def use_hf_latent_norm_eps(attention: Any) -> None:
-    """Give an MLA attention module's query / KV latent norms DeepSeek-V3's eps (:data:`HF_LATENT_NORM_EPS`)."""
-    for name in _LATENT_NORMS:
-        module = getattr(attention, name, None)
-        if isinstance(getattr(module, "eps", None), float):  # a norm, or a linear with its norm fused in
-            module.eps = HF_LATENT_NORM_EPS
-
-
-def _install_hf_latent_norm_eps() -> None:
-    """Wrap each MLA class's ``__init__`` (once, whichever scope comes first) to set the latent norms' eps."""
-    import functools
-
-    for cls in _mla_classes():
-        original = vars(cls)["__init__"]
-        if getattr(original, "_bridge_ext_latent_norm_eps", False):
-            continue
-
-        @functools.wraps(original)
-        def __init__(self, *args, __original=original, **kwargs):
-            __original(self, *args, **kwargs)
-            use_hf_latent_norm_eps(self)
-
-        __init__._bridge_ext_latent_norm_eps = True
-        cls.__init__ = __init__
-
-
-_LATENT_NORM_EPS = dict(
-    area="conversion", module=_MLA_MODULE, attr="MLASelfAttention.__init__",
-    upstream="megatron/core/transformer/multi_latent_attention.py MLASelfAttention.__init__ (q_layernorm, "
-             "kv_layernorm; TE: the up projections' fused norm) vs transformers' DeepseekV3Attention",
-    why="the latent norms take the block's layernorm_epsilon; DeepSeek-V3's code uses 1e-6 there: with "
-        "Moonlight's rms_norm_eps 1e-5 Megatron's logits differ from transformers' by ~1e-4 on a tiny fp32 model",
-    when="where MLA builds its latent norms with eps=config.layernorm_epsilon (a no-op for configs whose "
-         "rms_norm_eps is 1e-6: DeepSeek-V3, Kimi K2)",
-    needed=_latent_norms_take_the_block_eps, snippets=(_BLOCK_EPS,), install=_install_hf_latent_norm_eps,
-)
-
-# megatron-core 0.19 megatron/core/transformer/mla_qk_norm_config.py QKNormConfigResolver (0.16-0.18 have none:
-# MLASelfAttention builds linear_q_proj from the spec and no q_layernorm without q_lora_rank).
-_QK_NORM_RESOLVER = "megatron.core.transformer.mla_qk_norm_config"
-_FUSED_Q_PROJ = "linear_q_proj_cls = self._mla_fused_linear_or_default("
-_UNUSED_Q_NORM = "self._raise_unused_q_norm()"
-
-
-def _resolver_has(code: str) -> Callable[[], bool]:
-    def needed() -> bool:
-        if importlib.util.find_spec(_QK_NORM_RESOLVER) is None:
-            return False
-        resolver = importlib.import_module(_QK_NORM_RESOLVER).QKNormConfigResolver
-        return code in inspect.getsource(resolver)
-
-    return needed
-
-
-def _q_without_lora(scope: str, suffix: str) -> tuple[Patch, ...]:
-    upstream = "megatron/core/transformer/mla_qk_norm_config.py QKNormConfigResolver (megatron-core 0.19)"
-    return (
-        *rewrite(
-            f"mla-q-projection-without-norm{suffix}", _QK_NORM_RESOLVER,
-            "QKNormConfigResolver._resolve_mla_qk_layernorm",
-            ((_FUSED_Q_PROJ, "linear_q_proj_cls = self._non_fused_or_default("),),
-            area="conversion", scope=scope, upstream=upstream, needed=_resolver_has(_FUSED_Q_PROJ),
-            why="with q_lora_rank None (Moonlight) linear_q_proj becomes a fused norm+linear: a second RMSNorm with "
-                "its own weight on the already normalized input, which DeepSeek-V3's q_proj does not have (and no "
-                "HF tensor maps to); the spec's plain linear is kept",
-            when="where the resolver fuses a norm into linear_q_proj without a query low-rank (megatron-core 0.19)"),
-        *rewrite(
-            f"mla-unused-q-norm{suffix}", _QK_NORM_RESOLVER, "QKNormConfigResolver._reject_common_spec_conflicts",
-            ((_UNUSED_Q_NORM, "pass  # bridge_ext: not built without q_lora_rank, as in megatron-core <= 0.18"),),
-            area="conversion", scope=scope, upstream=upstream, needed=_resolver_has(_UNUSED_Q_NORM),
-            why="megatron-core's own local (CPU) MLA spec sets q_layernorm whenever qk_layernorm is on, and the "
-                "resolver refuses it when q_lora_rank is None: a Moonlight-shaped model cannot be built without TE",
-            when="where the resolver refuses an unused q_layernorm (megatron-core 0.19)"),
-    )
-
-
 PATCHES: tuple[Patch, ...] = (
-    Patch(name="mla-latent-norm-eps", scope="stack", **_LATENT_NORM_EPS),
-    Patch(name="mla-latent-norm-eps (conversion)", scope="conversion", **_LATENT_NORM_EPS),
-    *_q_without_lora("stack", ""),
-    *_q_without_lora("conversion", " (conversion)"),
     Patch(
         name="deepseek-sequential-expert-mappings", area="conversion", scope="conversion",
         module="megatron.bridge.models.deepseek.deepseek_v3_bridge", attr="DeepSeekV3Bridge.mapping_registry",
