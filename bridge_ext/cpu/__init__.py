@@ -19,7 +19,6 @@ from bridge_ext.cpu.config import (
     cpu_layer_spec,
     init_cpu_distributed,
     init_single_process_distributed,
-    launched_world_size,
     reset_megatron_globals,
     validation_without_gpu,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "enable_cpu_mode",
     "init_cpu_distributed",
     "init_single_process_distributed",
-    "launched_world_size",
     "reset_megatron_globals",
     "validation_without_gpu",
 ]

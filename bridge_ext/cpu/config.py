@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Any
 
+from bridge_ext import runtime
 from bridge_ext.errors import UserError
 from bridge_ext.stack import have_transformer_engine
 
 __all__ = ["configure_for_cpu", "cpu_layer_spec", "init_cpu_distributed", "init_single_process_distributed",
-           "launched_world_size", "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
+           "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
 
 
 
@@ -43,7 +43,7 @@ def init_cpu_distributed() -> None:
 
     if dist.is_initialized():
         return
-    if launched_world_size() == 1:
+    if runtime.world_size() == 1:
         init_single_process_distributed()
     else:
         dist.init_process_group("gloo")
@@ -116,15 +116,6 @@ _SINGLE_PROCESS_SIZES: dict[str, Any] = {
     "expert_tensor_parallel_size": 1,
     "sequence_parallel": False,
 }
-
-
-def launched_world_size() -> int:
-    """Processes in this run: the process group's size, else torchrun's ``WORLD_SIZE``, else 1."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _parallel_shape(model: Any) -> str:
@@ -210,7 +201,7 @@ def configure_for_cpu(cfg: Any, *, world_size: int | None = None) -> str | None:
     """
     import torch
 
-    world_size = world_size or launched_world_size()
+    world_size = world_size or runtime.world_size()
     if not hasattr(cfg, "model"):  # a GPTModelProvider
         return _configure_model(cfg, world_size)
     note = _configure_model(cfg.model, world_size)
