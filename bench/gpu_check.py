@@ -411,7 +411,7 @@ def markdown(results: dict[str, Any]) -> str:
     dense = results.get("qwen3_0p6b", {})
     if dense:
         lines += ["| Qwen3-0.6B (h200x1: 16 x 4096 tokens) | step ms | model TFLOP/s | optimizer step ms | "
-                  "Newton-Schulz ms (share of step) | peak GiB |", "|---|---|---|---|---|---|---|"]
+                  "Newton-Schulz ms (share of step) | peak GiB |", "|---|---|---|---|---|---|"]
         for name, r in dense.items():
             if r.get("ok"):
                 share = f" ({r['newton_schulz_share']:.1%})" if r.get("newton_schulz_share") else ""
