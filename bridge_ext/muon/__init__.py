@@ -1,7 +1,7 @@
 """Muon done right: preset application, MuonClip (QK-clip), a routing manifest and Newton-Schulz telemetry.
 
 Muon's run-time state and code live here, nowhere else (tests/test_layering.py): ``bridge_ext.patches`` only
-declares the rows (``patches/optimizer.py``, ``patches/qk_clip.py``) that put these functions in place of
+declares the rows (``patches/optimizer.py``, ``patches/transformer.py``) that put these functions in place of
 megatron-core's, as ``patches/checkpointing.py`` does with ``bridge_ext.kill_safe``. One module per job, each
 usable alone:
 

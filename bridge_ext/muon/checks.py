@@ -18,7 +18,7 @@ launch or a dry run; one line each, with the fix; tests/test_upstream_muon_bugs.
   iteration's, which then resumes with another iteration's optimizer state. Decided by where the installed
   ``save_checkpoint`` joins that file name (every release read: megatron-bridge 0.3.0-0.6.2).
 
-Probe (the condition of the ``qk-clip-nonpositive-logit-*`` patches, ``bridge_ext.patches.qk_clip``):
+Probe (the condition of the ``qk-clip-nonpositive-logit-*`` patches, ``bridge_ext.patches.transformer``):
 :func:`nonpositive_logit_nans` runs the installed ``clip_qk`` on a two-head stub whose second head's max logit
 is negative (every release read, megatron-core 0.16.0-0.19.2, writes NaN into it).
 """
@@ -79,7 +79,8 @@ def _gqa_probe() -> tuple[Any, Callable[[Any], list[Any]]]:
 
     from megatron.core.transformer.attention import SelfAttention
 
-    stub = _stub(SelfAttention, config=_config(),
+    # the whole model's sizes too (one process: equal to the rank's), which qk-clip-gqa-tp-shapes' rows read
+    stub = _stub(SelfAttention, config=_config(num_query_groups=2, num_attention_heads=2, kv_channels=2),
                  core_attention=SimpleNamespace(current_max_attn_logits=torch.tensor([4 * _TAU, -1.0])),
                  num_attention_heads_per_partition=2, num_query_groups_per_partition=2,
                  query_projection_size=4, kv_projection_size=4,

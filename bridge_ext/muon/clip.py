@@ -4,7 +4,7 @@ Through megatron-core 0.16's ``MultiLatentAttention.clip_qk``, unwrapping fp32 m
 over every micro-batch comes from :mod:`bridge_ext.muon.attention_logits`. :func:`clip_qk` is megatron-core's
 ``qk_clip.clip_qk`` finding the decoder through any wrapper; Megatron Bridge's training step calls it through
 the ``muon-clip-any-wrapper`` patch (``bridge_ext.patches.optimizer``). :func:`floored_clip_qk` is what the
-``qk-clip-nonpositive-logit-*`` patches (``bridge_ext.patches.qk_clip``) make of upstream's per-layer
+``qk-clip-nonpositive-logit-*`` patches (``bridge_ext.patches.transformer``) make of upstream's per-layer
 ``clip_qk``. Imports neither torch nor Megatron.
 """
 

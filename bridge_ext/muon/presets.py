@@ -32,7 +32,8 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
     (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the
     ``muon-ns-coefficients`` patch (``bridge_ext.patches.optimizer``, making
-    :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes an unspecified ``coefficient_type`` this one. Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
+    :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes an unspecified ``coefficient_type`` this one.
+    Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
     (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type``
     explicitly: there the preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``),
     and this default is never used.
