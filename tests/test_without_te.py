@@ -1,0 +1,37 @@
+"""A GPU run where Transformer Engine is not installed (bridge_ext/without_te.py): only what needs TE changes.
+
+The GPU tier ran this path on an H200 (docs/launch.md); here the config it makes is checked field by field."""
+
+from __future__ import annotations
+
+import pytest
+
+import recipes
+from bridge_ext.build import build_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_proxy_muon", "qwen3_0p6b_adamw"])
+def test_local_spec_bf16_kept(name):
+    from bridge_ext import patches
+    from bridge_ext.cpu.config import cpu_layer_spec
+    from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
+
+    recipe = recipes.get_recipe(name)
+    cfg = build_config(recipe, layout="h200x1")
+    before = {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "tensor_model_parallel_size", "seq_length")}
+    assert cfg.model.gradient_accumulation_fusion is True  # the recipe targets TE (build.model_provider)
+    note = configure_without_te(cfg)
+    model = cfg.model
+    assert model.transformer_impl == "local" and model.gradient_accumulation_fusion is False
+    assert not model.masked_softmax_fusion and not model.apply_rope_fusion and not model.moe_grouped_gemm
+    assert model.fp8 is None and not model.moe_permute_fusion
+    # precision, optimizer and sizes are the recipe's: a GPU run in bf16
+    assert cfg.mixed_precision == "bf16_mixed" and cfg.optimizer.bf16 is True
+    assert {k: getattr(model, k) for k in before} == before
+    # the spec is megatron-core's own without TE: the function CPU mode trains with (tests/test_cpu_training.py)
+    assert model.transformer_layer_spec is cpu_layer_spec
+    assert "transformer_impl" in note and "gradient_accumulation_fusion" in note
+    needed = set(patches.applied_here(["cpu"])) & set(TE_FREE_PATCHES)  # what this stack's code needs of the three
+    assert "mla-core-attention" in needed and needed <= set(patches.applied())
