@@ -36,7 +36,7 @@ from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, prep
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group
 from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_rank0, shard_totals
 from bridge_ext.convert.staging import check_target, staged_output
-from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, export_streaming_into
+from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, export_streaming_into, missing_stored_file
 from bridge_ext.errors import UserError
 
 __all__ = ['DEFAULT_SHARD_BYTES', 'export_hf']
@@ -184,6 +184,9 @@ def _export_through_model(write: Callable[[str, Any], int], *, iter_dir: Path, h
     except (UserError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # torch DCP's CheckpointException is a BaseException with a multi-line report
+        problem = missing_stored_file(iter_dir)  # DCP's report names neither the file nor the tensor
+        if problem is not None:
+            raise UserError(f"{iter_dir} cannot be read: {problem}") from None
         raise UserError(
             f"{iter_dir} does not match the model in {hf_source}/config.json ({cause_line(exc)})"
         ) from None

@@ -13,5 +13,6 @@ from __future__ import annotations
 from bridge_ext.convert.stream.exporter import export_streaming_into
 from bridge_ext.convert.stream.importer import DEFAULT_THREADS, import_streaming
 from bridge_ext.convert.stream.skeleton import NeedsModel
+from bridge_ext.convert.stream.torch_dist import missing_stored_file
 
-__all__ = ["DEFAULT_THREADS", "NeedsModel", "export_streaming_into", "import_streaming"]
+__all__ = ["DEFAULT_THREADS", "NeedsModel", "export_streaming_into", "import_streaming", "missing_stored_file"]

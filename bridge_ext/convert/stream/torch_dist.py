@@ -39,7 +39,7 @@ from typing import Any
 from bridge_ext.convert.stream.skeleton import NeedsModel, Skeleton
 from bridge_ext.errors import UserError
 
-__all__ = ["Chunk", "TorchDistChunks", "make_strategy", "plan_chunks"]
+__all__ = ["Chunk", "TorchDistChunks", "make_strategy", "missing_stored_file", "plan_chunks"]
 
 _METADATA = ".metadata"
 
@@ -462,16 +462,31 @@ class TorchDistChunks:
             info = self._where.get((key, stored_offsets))
             if info is None:
                 return f"{key}: .metadata lists a chunk at {list(stored_offsets)} with no storage record"
-            size = self._file_size(info.relative_path)
-            if size is None:
-                return (f"{self.directory / info.relative_path} is missing (it holds {key} at "
-                        f"{list(stored_offsets)})")  # fmt: skip
-            if size < info.offset + info.length:
-                return (f"{self.directory / info.relative_path} is {size} bytes, shorter than .metadata says "
-                        f"({key} at {list(stored_offsets)} ends at byte {info.offset + info.length})")  # fmt: skip
+            problem = self._file_problem(key, stored_offsets, info)
+            if problem is not None:
+                return problem
         if covered != math.prod(sizes):
             return (f"{key} stores {covered} of the {math.prod(sizes)} elements of the region at {list(offsets)} "
                     f"of size {list(sizes)}")  # fmt: skip
+        return None
+
+    def _file_problem(self, key: str, offsets: tuple[int, ...], info: Any) -> str | None:
+        size = self._file_size(info.relative_path)
+        if size is None:
+            return f"{self.directory / info.relative_path} is missing (it holds {key} at {list(offsets)})"
+        if size < info.offset + info.length:
+            return (f"{self.directory / info.relative_path} is {size} bytes, shorter than .metadata says "
+                    f"({key} at {list(offsets)} ends at byte {info.offset + info.length})")  # fmt: skip
+        return None
+
+    def missing_file(self) -> str | None:
+        """The first file of a model tensor (optimizer state aside) that is missing or shorter than ``.metadata``
+        says, naming the tensor, or None: one ``stat`` per file."""
+        for (key, offsets), info in self._where.items():
+            if offsets is not None and not key.startswith("optimizer."):
+                problem = self._file_problem(key, offsets, info)
+                if problem is not None:
+                    return problem
         return None
 
     def _file_size(self, file: str) -> int | None:
@@ -547,3 +562,14 @@ class TorchDistChunks:
 
     def close(self) -> None:
         """Nothing stays open between reads; kept for callers that close what they open."""
+
+
+def missing_stored_file(directory: Path) -> str | None:
+    """The first model tensor's file of the torch_dist checkpoint ``directory`` that is missing or short, as one
+    line naming the file and the tensor; None when every file is there (or ``.metadata`` itself cannot be read,
+    which the caller reports)."""
+    try:
+        chunks = TorchDistChunks(Path(directory))
+    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError):  # no readable .metadata
+        return None
+    return chunks.missing_file()
