@@ -3,14 +3,19 @@ package, with one mechanism (:class:`Patch`) and one registry (:data:`REGISTRY`)
 
 A patch names the upstream code it works around, the condition it applies under (decided from the installed
 code by capability, never by version numbers), the code it relies on (matched by content: drift is one line
-naming the package and version) and when it is applied (its scope). Modules by upstream area:
+naming the package and version) and when it is applied (its scope). One module per upstream subsystem, every row
+of a module in its area (tests/test_patches.py); the code a row puts in place lives with the feature it is
+(``bridge_ext.muon``, ``bridge_ext.kill_safe``, ...), the module only declares the row:
 
 * ``import_time``: Megatron Bridge without Transformer Engine (the import guard, PEFT's ``HAVE_TE``).
 * ``optimizer``: megatron-core's Muon vs emerging-optimizers, Newton-Schulz coefficients, the gate/up split,
-  MuonClip, Muon over LoRA adapters.
+  MuonClip, Muon over LoRA adapters (``optimizer_fields``: preset field names the installed megatron-core knows).
+* ``transformer``: megatron-core's attention: QK-clip's known bugs, MLA's latent norms and query as DeepSeek-V3's.
 * ``training``: Megatron Bridge's start-up, scheduler and dry-run validation.
-* ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts.
+* ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts, the
+  optimizer's param groups on resume.
 * ``conversion``: SequentialMLP experts in Megatron Bridge's HF conversion.
+* ``rehearse``: one rank of a real layout on fake tensors (``nemo llm rehearse``).
 * CPU mode's patches (CUDA redirected per module, targeted patches, recompiled functions) are the CPU harness's,
   in ``bridge_ext.cpu.patches``, registered here like every other: this package is the GPU path's deviations.
 
