@@ -104,6 +104,8 @@ APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpo
                                  # GQA QK-clip's shape error at TP > 1 (Megatron-LM issue 4646; 0.16.0, 0.17.1,
                                  # 0.19.2 read; probed: tests/test_muon_layouts.py)
                                  "qk-clip-gqa-tp-shapes",
+                                 # MLA's shared rotary key without TP-summed gradient (no TE; 0.16.0, 0.17.1, 0.19.2)
+                                 "mla-rope-key-grad-tp", "mla-rope-key-grad-tp (helper)",
                                  # megatron-core 0.16-0.19 build MLA's latent norms with layernorm_epsilon
                                  "mla-latent-norm-eps", "mla-latent-norm-eps (conversion)",
                                  # rehearsals (nemo llm rehearse): torch 2.10-2.14's Module._apply swaps fake

@@ -15,6 +15,20 @@ Patch (scope ``stack``, every run, GPUs too):
   GQA probe, fails or scales other rows than the group's query and key rows (megatron-core 0.16.0 and 0.17.1
   read: fails).
 
+Patch (scope ``stack``: CPU mode, and GPUs without Transformer Engine, where MLA's down-projections are
+``ColumnParallelLinear``):
+
+* ``mla-rope-key-grad-tp``: megatron-core's ``MLASelfAttention.get_query_key_value_tensors``
+  (``transformer/multi_latent_attention.py``), with ``linear_kv_down_proj`` a ``ColumnParallelLinear`` and TP > 1,
+  gathers ``kv_combined`` over TP and splits off the shared rotary key ``k_pos_emb``, which every head uses; each
+  rank's backward then holds the gradient of its own heads only, and the gather's backward keeps the rank's slice
+  of it: the rotary-key rows of ``linear_kv_down_proj`` get a gradient without the other ranks' heads (the Kimi
+  K2 proxy at TP2: those rows 6e-3 away from the 1-process step, every earlier layer 1e-5; tests/
+  test_muon_layouts.py). TE's path (``TELinear``, duplicated) gathers ``k_pos_emb`` from the sequence-parallel
+  region, whose backward sums over TP. The recompiled function passes the gathered ``kv_combined``'s rotary
+  columns through an identity whose backward sums the gradient over TP: the gradient of every head. Applies where that branch has no such reduction (megatron-core 0.16.0, 0.17.1, 0.19.2
+  read).
+
 Launch check (:func:`layout_problems`, for ``bridge_ext.build``'s validation; one line each, naming the field):
 
 * ``optimizer.muon_tp_mode=blockwise`` with TP > 1 (or expert TP > 1): megatron-core's ``TensorParallelMuon``
@@ -28,16 +42,73 @@ Launch check (:func:`layout_problems`, for ``bridge_ext.build``'s validation; on
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import SimpleNamespace
 from typing import Any
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patches.core import Patch, rewrite
 from bridge_ext.stack import UpstreamDrift, package_of
 
-__all__ = ["PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard", "layout_problems"]
+__all__ = ["PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard", "k_rope_grad_summed",
+           "layout_problems", "rope_key_grad_unreduced"]
 
 _GQA = "megatron.core.transformer.attention"
+_MLA = "megatron.core.transformer.multi_latent_attention"
+_GATHER = "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)"
+_SUMMED = ("kv_combined = _bridge_ext_k_rope_grad_summed(gather_from_tensor_model_parallel_region(kv_combined), "
+           "self.config.kv_lora_rank, self.tp_group)")
+
+
+@functools.cache
+def _grad_summed_over() -> Any:
+    """An autograd function: identity forward, gradient summed over ``group`` backward. Not megatron-core's
+    ``copy_to_tensor_model_parallel_region``: its backward all-reduces ``grad.contiguous()`` and returns ``grad``,
+    which for a non-contiguous gradient (a slice of ``torch.cat``'s, as here) is a copy: the sum is lost."""
+    import torch
+
+    class GradSummedOver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            ctx.group = group
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            grad = grad.contiguous().clone()
+            torch.distributed.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    return GradSummedOver
+
+
+def k_rope_grad_summed(kv_combined: Any, latent: int, group: Any) -> Any:
+    """``kv_combined`` (``[..., latent + rope]``, gathered over TP) unchanged, with the gradient of its rotary-key
+    columns, shared by every head, summed over the TP group (each rank's backward has its own heads' only)."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return kv_combined
+    rope = _grad_summed_over().apply(kv_combined[..., latent:], group)
+    return torch.cat([kv_combined[..., :latent], rope], dim=-1)
+
+
+def rope_key_grad_unreduced() -> bool:
+    """Whether the installed ``MLASelfAttention.get_query_key_value_tensors`` gathers ``kv_combined`` over TP
+    (the ``ColumnParallelLinear`` branch) and splits off ``k_pos_emb`` without reducing its gradient over TP."""
+    import inspect
+
+    cls = importlib.import_module(_MLA).MLASelfAttention
+    function = cls.__dict__.get("get_query_key_value_tensors")
+    function = getattr(function, "__wrapped__", function)  # our recompiled one keeps upstream's as __wrapped__
+    source = inspect.getsource(function)
+    if _GATHER not in source:
+        return False
+    branch = source.split(_GATHER, 1)[1].split("else:", 1)[0]
+    return "k_pos_emb" in branch and "copy_to_tensor_model_parallel_region" not in branch \
+        and "reduce_from_tensor_model_parallel_region" not in branch
 
 
 def clip_linear_qkv_per_group(self: Any, weight: Any) -> Any:
@@ -124,6 +195,20 @@ def _per_group(old: Any) -> Any:
 
 
 PATCHES: tuple[Patch, ...] = (
+    *rewrite(
+        "mla-rope-key-grad-tp", _MLA, "MLASelfAttention.get_query_key_value_tensors", ((_GATHER, _SUMMED),),
+        area="training", scope="stack",
+        upstream="megatron/core/transformer/multi_latent_attention.py MLASelfAttention.get_query_key_value_tensors",
+        why="with linear_kv_down_proj a ColumnParallelLinear (no TE) and TP > 1 the shared rotary key's gradient "
+            "keeps only this rank's heads: linear_kv_down_proj's rotary rows get another gradient at every TP size; "
+            "summed over TP",
+        when="the ColumnParallelLinear branch splits k_pos_emb off the TP-gathered kv_combined without reducing "
+             "its gradient over TP",
+        helpers={"_bridge_ext_k_rope_grad_summed": (
+            k_rope_grad_summed, "the rotary key's gradient summed over TP; called by the recompiled function")},
+        also_expects=("k_pos_emb",),
+        needed=rope_key_grad_unreduced,
+    ),
     Patch(
         name="qk-clip-gqa-tp-shapes", area="optimizer", scope="stack", module=_GQA,
         attr="SelfAttention._clip_linear_qkv",
