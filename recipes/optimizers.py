@@ -119,7 +119,11 @@ NVIDIA_PERF = OptimizerPreset(
         "muon_num_ns_steps": 5,
         "muon_fp32_matmul_prec": "medium",
         "muon_coefficient_type": "quintic",  # what megatron-core 0.16 (NVIDIA's benchmark) builds Muon with
-        "muon_tp_mode": "blockwise",  # megatron-core main moves the default to "duplicated"
+        # Each TP-sharded matrix gathered and orthogonalized whole on its TP ranks: one process's update at every
+        # TP size (tests/test_muon_layouts.py). megatron-core 0.16-0.19's default "blockwise" orthogonalizes each
+        # rank's shard alone (another update per TP size); its main branch moves the default here (PR 6380).
+        # Cost: each TP rank runs Newton-Schulz on the whole matrix (TP x blockwise's; nothing at TP1).
+        "muon_tp_mode": "duplicated",
         "muon_split_qkv": True,
         "muon_scalar_optimizer": "adam",  # norms, embeddings, output layer
         "use_distributed_optimizer": False,  # layer-wise Muon cannot share params with the byte-sharded one
@@ -174,7 +178,7 @@ MOONLIGHT = OptimizerPreset(
         "muon_num_ns_steps": 5,
         "muon_fp32_matmul_prec": "medium",  # NS in bf16, as Keller Jordan's reference
         "muon_coefficient_type": "simple",  # Keller Jordan's (3.4445, -4.7750, 2.0315); = ns_coefficients
-        "muon_tp_mode": "blockwise",
+        "muon_tp_mode": "duplicated",  # the whole matrix at every TP size, as nvidia_perf
         "muon_split_qkv": True,  # Q, K, V orthogonalized separately (per query group)
         "muon_scalar_optimizer": "adam",  # AdamW for everything that is not a hidden matrix
         "use_distributed_optimizer": False,

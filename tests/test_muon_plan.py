@@ -104,7 +104,15 @@ def test_ns_and_model_flops_by_hand():
 
 
 def test_blockwise_tensor_parallel_splits_the_matrices():
-    plan = muon_plan("qwen3_8b_muon", layout="h100x8")  # TP4: each rank orthogonalizes its own shard
+    import dataclasses
+
+    from recipes.optimizers import derive
+
+    recipe = get_recipe("qwen3_8b_muon")
+    shipped = muon_plan(recipe, layout="h100x8")  # the presets' duplicated mode: whole matrices at TP4
+    assert len(next(r for r in shipped.rows if r.pattern.endswith("linear_qkv.weight")).ns_matrices) == 3
+    blockwise = derive(recipe.preset, name="blockwise", summary="", source="", optimizer={"muon_tp_mode": "blockwise"})
+    plan = muon_plan(dataclasses.replace(recipe, preset=blockwise), layout="h100x8")  # TP4: each rank its own shard
     qkv = next(r for r in plan.rows if r.pattern.endswith("linear_qkv.weight"))
     assert len(qkv.ns_matrices) == 12 and "TP4 blockwise" in qkv.split  # Q|K|V x 4 TP shards
     assert qkv.ns_matrices[0] == (32 * 128 // 4, 4096) and qkv.ns_matrices[4] == (8 * 128 // 4, 4096)

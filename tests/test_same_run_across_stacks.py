@@ -171,7 +171,7 @@ def test_a_different_run_is_caught(resolve):
         f"{nesterov}: resolved True, reference False"]
     unpinned = {k: v for k, v in expected.items() if k != "optimizer.muon_tp_mode"}
     assert run_differences(name, unpinned, resolved) == [
-        "optimizer.muon_tp_mode: resolved 'blockwise', not in the reference (unpinned)"]
+        "optimizer.muon_tp_mode: resolved 'duplicated', not in the reference (unpinned)"]
     assert run_differences(name, {**expected, "model.no_such_field": 1}, resolved) == [
         "model.no_such_field: not in the resolved config"]
 
