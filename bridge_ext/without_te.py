@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TE_FREE_PATCHES", "configure_without_te"]
+__all__ = ["TE_FREE_PATCHES", "TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec"]
 
-# Settings that need TE or apex kernels, and the value megatron-core's local modules run with.
-_TE_FREE_MODEL_SETTINGS: dict[str, Any] = {
+# Provider settings that need Transformer Engine or apex kernels, and the value megatron-core's local modules run
+# with: the part that CPU mode (bridge_ext.cpu.config) and the CPU rehearsal (bridge_ext.rehearse.build) share with
+# a GPU run without TE; each adds what its own device needs.
+TE_KERNEL_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",
     "use_transformer_engine_full_layer_spec": False,
-    "fp8": None,  # TE's fp8 recipes
     "gradient_accumulation_fusion": False,  # TE / apex fused_weight_gradient_mlp_cuda
     "masked_softmax_fusion": False,  # megatron's scaled_masked_softmax CUDA extension (apex / TE builds)
     "persist_layer_norm": False,  # apex FastLayerNorm
@@ -27,29 +28,37 @@ _TE_FREE_MODEL_SETTINGS: dict[str, Any] = {
     "cross_entropy_loss_fusion": False,  # its "te" implementation
     "moe_permute_fusion": False,  # TE's fused token permutation
     "moe_router_fusion": False,  # TE's fused top-k / score function
-    "moe_grouped_gemm": False,  # TEGroupedMLP; the local spec then builds SequentialMLP
     "tp_comm_overlap": False,  # TE userbuffers
 }
+
+# A GPU run without TE also turns off TE's fp8 recipes and TEGroupedMLP (the local spec then builds SequentialMLP).
+_GPU_WITHOUT_TE_SETTINGS: dict[str, Any] = {**TE_KERNEL_SETTINGS, "fp8": None, "moe_grouped_gemm": False}
 
 # The patches that make megatron-core's MLA and MoE modules build without TE: the same three CPU mode applies,
 # named here so a GPU run takes only these (none of CPU mode's device stand-ins).
 TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
 
 
+def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """megatron-core's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+
+
 def configure_without_te(cfg: Any) -> str:
     """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE, apply :data:`TE_FREE_PATCHES`; a console note."""
     from bridge_ext import patches
-    from bridge_ext.cpu.config import cpu_layer_spec
 
     model = cfg.model
-    changed = [name for name, value in _TE_FREE_MODEL_SETTINGS.items()
+    changed = [name for name, value in _GPU_WITHOUT_TE_SETTINGS.items()
                if hasattr(model, name) and getattr(model, name) != value]
     for name in changed:
-        setattr(model, name, _TE_FREE_MODEL_SETTINGS[name])
+        setattr(model, name, _GPU_WITHOUT_TE_SETTINGS[name])
     if getattr(model, "moe_token_dispatcher_type", None) == "flex":  # DeepEP / HybridEP need TE's build
         model.moe_token_dispatcher_type = "alltoall"
         changed.append("moe_token_dispatcher_type")
-    model.transformer_layer_spec = cpu_layer_spec  # megatron-core's local decoder block spec (no TE)
+    model.transformer_layer_spec = local_layer_spec
     if cfg.rng is not None:
         cfg.rng.te_rng_tracker = False
     patches.apply("cpu", only=TE_FREE_PATCHES)

@@ -15,8 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi_k2_proxy_muon", "qwen3_0p6b_adamw"])
 def test_local_spec_bf16_kept(name):
     from bridge_ext import patches
-    from bridge_ext.cpu.config import cpu_layer_spec
-    from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
+    from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te, local_layer_spec
 
     recipe = recipes.get_recipe(name)
     cfg = build_config(recipe, layout="h200x1")
@@ -31,7 +30,7 @@ def test_local_spec_bf16_kept(name):
     assert cfg.mixed_precision == "bf16_mixed" and cfg.optimizer.bf16 is True
     assert {k: getattr(model, k) for k in before} == before
     # the spec is megatron-core's own without TE: the function CPU mode trains with (tests/test_cpu_training.py)
-    assert model.transformer_layer_spec is cpu_layer_spec
+    assert model.transformer_layer_spec is local_layer_spec
     assert "transformer_impl" in note and "gradient_accumulation_fusion" in note
     needed = set(patches.applied_here(["cpu"])) & set(TE_FREE_PATCHES)  # what this stack's code needs of the three
     assert "mla-core-attention" in needed and needed <= set(patches.applied())

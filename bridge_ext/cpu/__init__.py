@@ -16,7 +16,6 @@ docs/cpu.md describes CPU mode; tests/test_cpu_mode.py and tests/test_cpu_traini
 
 from bridge_ext.cpu.config import (
     configure_for_cpu,
-    cpu_layer_spec,
     init_cpu_distributed,
     init_single_process_distributed,
     reset_megatron_globals,
@@ -28,7 +27,6 @@ from bridge_ext.cpu.sdpa_attention import SDPACoreAttention
 __all__ = [
     "SDPACoreAttention",
     "configure_for_cpu",
-    "cpu_layer_spec",
     "cpu_mode_active",
     "enable_cpu_mode",
     "init_cpu_distributed",

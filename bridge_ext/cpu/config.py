@@ -12,8 +12,9 @@ from typing import Any
 from bridge_ext import runtime
 from bridge_ext.errors import UserError
 from bridge_ext.stack import have_transformer_engine
+from bridge_ext.without_te import TE_KERNEL_SETTINGS, local_layer_spec
 
-__all__ = ["configure_for_cpu", "cpu_layer_spec", "init_cpu_distributed", "init_single_process_distributed",
+__all__ = ["configure_for_cpu", "init_cpu_distributed", "init_single_process_distributed",
            "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
 
 
@@ -80,8 +81,7 @@ def reset_megatron_globals() -> None:
 
 # Model settings that cannot run on CPU processes, and the value that can. Everything else is kept.
 _CPU_MODEL_SETTINGS: dict[str, Any] = {
-    "transformer_impl": "local",  # TE kernels are CUDA-only
-    "use_transformer_engine_full_layer_spec": False,
+    **TE_KERNEL_SETTINGS,  # TE and apex kernels are CUDA-only (bridge_ext.without_te)
     "use_cpu_initialization": True,
     "init_model_with_meta_device": False,
     "cuda_graph_impl": "none",
@@ -89,18 +89,10 @@ _CPU_MODEL_SETTINGS: dict[str, Any] = {
     "fp16": False,
     "bf16": False,  # fp32 params and compute: bf16 optimizers reject CPU tensors on megatron-core 0.16
     "fp16_lm_cross_entropy": False,
-    # fused kernels (apex / TE / triton / CUDA JIT)
-    "gradient_accumulation_fusion": False,
-    "masked_softmax_fusion": False,
+    # torch.jit / triton fusions, compiled for CUDA tensors
     "bias_activation_fusion": False,
     "bias_dropout_fusion": False,
-    "persist_layer_norm": False,
-    "apply_rope_fusion": False,
-    "cross_entropy_loss_fusion": False,
-    "moe_permute_fusion": False,
-    "moe_router_fusion": False,
     # nothing to overlap with on a CPU
-    "tp_comm_overlap": False,
     "moe_shared_expert_overlap": False,  # needs a CUDA side stream
     "overlap_moe_expert_parallel_comm": False,
 }
@@ -162,13 +154,6 @@ _CPU_MOE_SETTINGS: dict[str, Any] = {
 }
 
 
-def cpu_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """Megatron's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-
-
 def _configure_model(model: Any, world_size: int) -> str | None:
     import torch
 
@@ -184,7 +169,7 @@ def _configure_model(model: Any, world_size: int) -> str | None:
         model.pipeline_dtype = None
     if hasattr(model, "autocast_dtype"):
         model.autocast_dtype = torch.float32
-    model.transformer_layer_spec = cpu_layer_spec
+    model.transformer_layer_spec = local_layer_spec
     return _fit_parallelism(model, world_size)
 
 

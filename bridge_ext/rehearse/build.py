@@ -15,26 +15,19 @@ import copy
 import inspect
 from typing import Any
 
+from bridge_ext.without_te import TE_KERNEL_SETTINGS, local_layer_spec
+
 __all__ = ["REHEARSAL_MODEL_SETTINGS", "build_rank", "rehearsal_config"]
 
 # Provider fields set for a rehearsal on CPU fake tensors (precision, parallelism and recompute stay).
 REHEARSAL_MODEL_SETTINGS: dict[str, Any] = {
-    "transformer_impl": "local",
-    "use_transformer_engine_full_layer_spec": False,
+    **TE_KERNEL_SETTINGS,  # megatron-core's local modules (bridge_ext.without_te)
     "use_cpu_initialization": True,
     "perform_initialization": False,
     "init_model_with_meta_device": False,
     "cuda_graph_impl": "none",
-    "gradient_accumulation_fusion": False,
-    "masked_softmax_fusion": False,
     "bias_activation_fusion": False,
     "bias_dropout_fusion": False,
-    "persist_layer_norm": False,
-    "apply_rope_fusion": False,
-    "cross_entropy_loss_fusion": False,
-    "moe_permute_fusion": False,
-    "moe_router_fusion": False,
-    "tp_comm_overlap": False,
     "moe_shared_expert_overlap": False,
     "overlap_moe_expert_parallel_comm": False,
 }
@@ -54,8 +47,6 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
     cfg = build_config(recipe, layout=chosen.cluster)
     notes = []
     if device == "cpu":
-        from bridge_ext.cpu.config import cpu_layer_spec
-
         model = cfg.model
         for name, value in REHEARSAL_MODEL_SETTINGS.items():
             if hasattr(model, name):
@@ -64,7 +55,7 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
             for name, value in _MOE_SETTINGS.items():
                 if hasattr(model, name):
                     setattr(model, name, value)
-        model.transformer_layer_spec = cpu_layer_spec
+        model.transformer_layer_spec = local_layer_spec
         notes.append("layer spec: megatron-core's local spec on CPU fake tensors (no Transformer Engine): sequential "
                      "experts, MLA down-projections split over TP")
         if cfg.mixed_precision == _MXFP8:
