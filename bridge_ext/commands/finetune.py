@@ -17,6 +17,7 @@ from typing import Any
 
 from bridge_ext.commands.common import add_training_arguments, check_new_file, resolve, select_recipe, show_or_write
 from bridge_ext.errors import UserError
+from bridge_ext.upstream_output import log_file, run_console
 
 __all__ = ["add_parser", "run"]
 
@@ -32,6 +33,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--hf", metavar="DIR", help="Hugging Face checkpoint to start from (imported into the cache)")
     add_training_arguments(p, preset_help="another fine-tuning optimizer preset; or preset=NAME",
                            overrides_help="e.g. checkpoint.pretrained_checkpoint=DIR")
+    p.add_argument("--verbose", action="store_true",
+                   help="a run shows everything Megatron and its libraries print (default: our lines and Megatron's "
+                        "iteration lines; the rest goes to upstream.log next to the checkpoints)")
     return p
 
 
@@ -78,22 +82,27 @@ def run(args: argparse.Namespace) -> int:
     target = import_target(Path(args.hf)) if args.hf else None
     if target is not None:  # named before validation: Megatron Bridge validates PEFT only with a base checkpoint
         args.overrides.append(f"checkpoint.pretrained_checkpoint={target}")
-    resolved = resolve(args, get=get_finetune_recipe)
-    from bridge_ext.finetune.build import describe
+    # a run's console: our lines and Megatron's progress; upstream's setup lines and known warnings in a log file
+    with run_console(verbose=args.verbose or not training, device=args.device) as console:
+        resolved = resolve(args, get=get_finetune_recipe)
+        from bridge_ext.finetune.build import describe
 
-    source = f"--hf {args.hf} (imported to {target})" if target else pretrained
-    task_lines = [f"finetune    {recipe.mode}: {describe(resolved.checked)}",
-                  f"checkpoint  {source or '(set checkpoint.pretrained_checkpoint=DIR or --hf DIR)'}"]
-    if args.dryrun or args.to_yaml:
-        show_or_write(resolved, args, task_lines=task_lines)
-        return 0
-    from bridge_ext.finetune.run import import_on_the_fly, run_finetune
+        source = f"--hf {args.hf} (imported to {target})" if target else pretrained
+        task_lines = [f"finetune    {recipe.mode}: {describe(resolved.checked)}",
+                      f"checkpoint  {source or '(set checkpoint.pretrained_checkpoint=DIR or --hf DIR)'}"]
+        if not training:
+            show_or_write(resolved, args, task_lines=task_lines)
+            return 0
+        from bridge_ext.finetune.run import import_on_the_fly, run_finetune
 
-    if target is not None:
-        pretrained = str(import_on_the_fly(Path(args.hf), target))
-    if not pretrained and not resolved.cfg.checkpoint.load:
-        raise UserError("fine-tuning starts from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR or --hf DIR")
-    run_finetune(resolved.recipe, resolved.cfg, data=args.data, device=args.device)
+        if target is not None:
+            pretrained = str(import_on_the_fly(Path(args.hf), target))
+        if not pretrained and not resolved.cfg.checkpoint.load:
+            raise UserError("fine-tuning starts from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR or "
+                            "--hf DIR")
+        if console is not None:
+            console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
+        run_finetune(resolved.recipe, resolved.cfg, data=args.data, device=args.device)
     return 0
 
 

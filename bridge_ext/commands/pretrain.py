@@ -9,6 +9,7 @@ from typing import Any
 from bridge_ext.commands.common import add_training_arguments, resolve, select_recipe, show_or_write
 from bridge_ext.errors import UserError
 from bridge_ext.launch import CONTAINER_IMAGE, EXECUTORS
+from bridge_ext.upstream_output import log_file, run_console
 
 __all__ = ["add_parser", "run"]
 
@@ -19,6 +20,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="a pre-training recipe (`nemo llm recipes`)")
     add_training_arguments(p, preset_help="another optimizer preset (default: the recipe's); or preset=NAME",
                            overrides_help="e.g. optimizer.lr=2e-4")
+    p.add_argument("--verbose", action="store_true",
+                   help="a run shows everything Megatron and its libraries print (default: our lines and Megatron's "
+                        "iteration lines; the rest goes to upstream.log next to the checkpoints)")
     p.add_argument("--data", choices=("auto", "text", "mock"), default="auto",
                    help="auto: proxy recipes train on the standard-library text corpus (`nemo llm prepare-data`), "
                         "other recipes on mock data unless dataset.blend is set")
@@ -48,13 +52,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.executor:
         return _launch(args, get_recipe)
-    resolved = resolve(args, get=get_recipe)
     if args.dryrun or args.to_yaml:
-        show_or_write(resolved, args)
+        show_or_write(resolve(args, get=get_recipe), args)
         return 0
     from bridge_ext.training import train
 
-    train(resolved.recipe, resolved.cfg, device=args.device, data=args.data)
+    # the console: our lines and Megatron's progress; upstream's setup lines and known warnings in a log file
+    with run_console(verbose=args.verbose, device=args.device) as console:
+        resolved = resolve(args, get=get_recipe)
+        if console is not None:
+            console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
+        train(resolved.recipe, resolved.cfg, device=args.device, data=args.data)
     return 0
 
 
