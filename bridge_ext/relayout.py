@@ -137,8 +137,44 @@ def _expert_parallel(model: dict) -> int:
     return int(model.get("expert_model_parallel_size") or 1)
 
 
+def _refuse_distributed_optimizer_state(cfg: Any, saved: dict, where: str) -> None:
+    """Distributed-optimizer state a resume cannot load: one line before any work (else a KeyError deep in the
+    load, or Megatron Bridge's RuntimeError, as a traceback).
+
+    - Into an optimizer that is not distributed (CPU mode turns it off on one process): the saved state has no
+      per-parameter ``step`` (torch's Adam ``__setstate__``: KeyError 'step'; measured with the
+      ``fully_reshardable`` format), and the default format's tensors are not per parameter at all.
+    - Megatron Bridge's default format ``dp_reshardable`` (the optimizer's flat buckets,
+      ``optimizer.distributed.*``) at another TP or PP: megatron-core ``DistributedOptimizer.sharded_state_dict``
+      "allows checkpoint resharding only in DP dimension"; ``checkpoint.dist_ckpt_optim_fully_reshardable=true``
+      saves a format that reshards.
+    """
+    from bridge_ext.errors import UserError
+
+    ckpt, opt, m = cfg.checkpoint, cfg.optimizer, cfg.model
+    saved_opt, saved_ckpt, saved_model = (saved.get(k) or {} for k in ("optimizer", "checkpoint", "model"))
+    if not (ckpt.load_optim and saved_ckpt.get("save_optim", True) and saved_opt.get("use_distributed_optimizer")):
+        return
+    if saved_ckpt.get("ckpt_format", "torch_dist") != "torch_dist":
+        return
+    sizes = (saved_model.get("tensor_model_parallel_size") or 1, saved_model.get("pipeline_model_parallel_size") or 1)
+    now = (m.tensor_model_parallel_size or 1, m.pipeline_model_parallel_size or 1)
+    fix = "resume with checkpoint.load_optim=false (the weights, a fresh optimizer) or"
+    if not opt.use_distributed_optimizer:
+        raise UserError(f"{where} holds the distributed optimizer's state (saved with "
+                        "optimizer.use_distributed_optimizer=true), which loads only into the distributed optimizer; "
+                        "this run has none (CPU mode turns it off on one process): "
+                        f"{fix} with the distributed optimizer on several processes")
+    if sizes != now and not saved_ckpt.get("dist_ckpt_optim_fully_reshardable"):
+        raise UserError(f"{where} holds the distributed optimizer's state in its data-parallel-only format "
+                        f"(checkpoint.dist_ckpt_optim_fully_reshardable=false), which loads only at TP{sizes[0]} "
+                        f"PP{sizes[1]}; this run is TP{now[0]} PP{now[1]}: {fix} at TP{sizes[0]} PP{sizes[1]} "
+                        "(save with checkpoint.dist_ckpt_optim_fully_reshardable=true to change TP or PP)")
+
+
 def prepare(cfg: Any, *, world_size: int) -> str | None:
-    """Before a resume: RNG state off when its sharding changed with the expert-parallel size; the note.
+    """Before a resume: a refusal of optimizer state this layout cannot load; RNG state off when its sharding
+    changed with the expert-parallel size; the note.
 
     Megatron Bridge shards ``rng_state`` over (PP, TP, DP) when EP > 1, else over (PP, TP), and ignores it
     itself when TP or PP changed. Reads the ``run_config.yaml`` of the iteration ``checkpoint.load``
@@ -150,13 +186,17 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     from bridge_ext.checkpoints import iteration_dir, read_tracker
 
     ckpt = cfg.checkpoint
-    if not ckpt.load or not ckpt.load_rng or ckpt.finetune:
+    if not ckpt.load or ckpt.finetune:
         return None
     iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(ckpt.load)[0]
     run_config = iteration_dir(ckpt.load, iteration) / "run_config.yaml" if iteration is not None else None
     if run_config is None or not Path(run_config).is_file():
         return None
-    saved = (yaml.safe_load(Path(run_config).read_text()) or {}).get("model") or {}
+    saved_run = yaml.safe_load(Path(run_config).read_text()) or {}
+    _refuse_distributed_optimizer_state(cfg, saved_run, f"{ckpt.load} iteration {iteration}")
+    if not ckpt.load_rng:
+        return None
+    saved = saved_run.get("model") or {}
     m = cfg.model
     before, now = _expert_parallel(saved), m.expert_model_parallel_size or 1
     same_tp_pp = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (

@@ -1,0 +1,356 @@
+"""The layout matrix (issue 29): every proxy family saved in every CPU layout it ships exports on one process as
+the model-built export does, bit for bit, and as a ``--tp/--pp/--ep`` export does; a checkpoint saved in one
+layout resumes in another with the losses of the run that never changed layout.
+
+Families: Qwen3 dense, Qwen3-MoE, Kimi K2 (MLA) and Moonlight proxies with their Muon recipes (``dist_muon``:
+the layer-wise distributed optimizer, which shards Muon's state over the data-parallel ranks of ``cpu-dp2``),
+plus the Qwen3 AdamW recipe on ``cpu-dp2`` with megatron-core's distributed optimizer. Layouts: the ``cpu*``
+ones each proxy ships (recipes/layouts.py): dense ``cpu``, ``cpu-dp2``, ``cpu-tp2``, ``cpu-pp2``; MoE those and
+``cpu-ep2``, ``cpu-tp2-ep2``.
+
+How it stays cheap (CI runs this on every stack):
+
+- One reference run per family on one process (in this process), the layouts' cycle's length + 3 iterations,
+  saved at iteration 2: its losses are what every other run must reproduce (the layouts compute the same
+  global batch; fp32, ``muon_fp32_matmul_prec=highest`` as in tests/test_parallel_cpu.py, the presets' own
+  ``muon_tp_mode=duplicated``; a fixed schedule, so a run's length does not change its learning rate).
+- A covering cycle of resumes, one iteration each: ``cpu -> cpu-tp2-ep2 -> cpu-tp2 -> cpu-pp2 -> cpu-ep2 ->
+  cpu-dp2 -> cpu`` (dense: ``cpu -> cpu-tp2 -> cpu-pp2 -> cpu-dp2 -> cpu``; the last one two iterations). Each
+  phase resumes the previous phase's checkpoint and saves its own: every layout is a source once and a target
+  once, and each phase's checkpoint is the one that layout saves (exported below). A phase's first loss checks
+  the weights it loaded, the next phase's (or its second) loss the optimizer state it loaded.
+- One ``torchrun`` launch per process count for all families (tests/layout_matrix_driver.py): 4 processes
+  (``cpu-tp2-ep2``), then 2 (every 2-process layout, then the ``--tp/--pp/--ep`` exports), then this process.
+- The pairs most users hit, into one process: TP2 -> 1, TP2 x EP2 -> 1, PP2 -> 1 (DP2 -> 1 is in the cycle),
+  and AdamW's distributed optimizer DP2 -> 1.
+- ``heavy`` (26.02 and newest only): every other ordered pair of shipped layouts, per family.
+
+Expected values come from the reference (the one-process run: a second computation of the same steps) and from
+the model-built export (megatron-core's own loader and Megatron Bridge's export), never from the code that
+converts or re-lays-out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ckpt_io import assert_bit_identical, load_safetensors
+from layout_matrix_driver import launch
+
+FAMILIES = {"qwen3": "qwen3_proxy_muon", "qwen3_moe": "qwen3_moe_proxy_muon", "kimi_k2": "kimi_k2_proxy_muon",
+            "moonlight": "moonlight_proxy_muon"}
+ADAMW = "qwen3_proxy_adamw"  # megatron-core's distributed optimizer wherever DP > 1 (its preset's)
+# Cycle order: after the one-process reference, the process counts only fall (4, then 2, then 1): one launch each
+ORDER = ["cpu", "cpu-tp2-ep2", "cpu-tp2", "cpu-pp2", "cpu-ep2", "cpu-dp2"]
+USER_PAIRS = [("cpu-tp2", "cpu"), ("cpu-tp2-ep2", "cpu"), ("cpu-pp2", "cpu")]
+# exports on 2 processes through the built model; kimi_k2/moonlight proxies have 3 layers (no --pp 2)
+EXPORT_LAYOUTS = (["--tp", "2"], ["--ep", "2"], ["--pp", "2"])
+SAVED_AT = 2
+# fp32 matmuls in Newton-Schulz as tests/test_parallel_cpu.py (the presets' own muon_tp_mode, duplicated), and a
+# schedule that does not follow train_iters
+EXACT = ["optimizer.muon_fp32_matmul_prec=highest",
+         "scheduler.lr_decay_iters=16", "scheduler.lr_wsd_decay_iters=4", "logger.log_interval=1"]
+LOSS_TOL = 2e-6  # tests/test_parallel_cpu.py's re-layout tolerance (measured there <= 4.8e-7)
+
+STACK_FAMILIES = ["kimi_k2", "qwen3"]  # every stack; the other two families: heavy
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One ``nemo llm pretrain`` run: ``recipe`` at ``layout``, resuming ``load`` at ``step`` (None: from
+    scratch), training to ``iters``, saving into ``save`` every ``save_interval``."""
+
+    family: str
+    recipe: str
+    layout: str
+    load: Path | None
+    step: int
+    iters: int
+    save: Path
+    source: str | None = None  # the layout ``load`` was saved in
+    save_interval: int = 1
+    extra: tuple[str, ...] = ()
+
+    @property
+    def processes(self) -> int:
+        from recipes import get_recipe
+
+        return get_recipe(self.recipe).layout(self.layout).gpus
+
+    def argv(self) -> list[str]:
+        resume = [f"checkpoint.load={self.load}", f"checkpoint.ckpt_step={self.step}"] if self.load else []
+        return ["llm", "pretrain", "--recipe", self.recipe, f"layout={self.layout}", f"train.train_iters={self.iters}",
+                f"checkpoint.save={self.save}", f"checkpoint.save_interval={self.save_interval}",
+                f"logger.tensorboard_dir={self.save}/tb", *resume, *EXACT, *self.extra]
+
+
+def shipped_cpu_layouts(recipe: str) -> list[str]:
+    from recipes import get_recipe
+
+    shipped = [name for name in get_recipe(recipe).layouts if name.startswith("cpu")]
+    assert set(shipped) <= set(ORDER), f"{recipe} ships {sorted(set(shipped) - set(ORDER))}: add it to ORDER"
+    return [name for name in ORDER if name in shipped]
+
+
+def cycle(family: str, tmp: Path) -> tuple[Phase, list[Phase]]:
+    """The family's reference run and its cycle of one-iteration resumes (the last one two)."""
+    recipe = FAMILIES[family]
+    layouts = shipped_cpu_layouts(recipe)[1:] + ["cpu"]
+    reference = Phase(family, recipe, "cpu", None, 0, SAVED_AT + len(layouts) + 1, tmp / f"{family}-ref",
+                      save_interval=SAVED_AT)
+    phases, load, source = [], reference.save, "cpu"
+    for number, layout in enumerate(layouts, start=1):
+        step = SAVED_AT + number - 1
+        iters = step + (2 if number == len(layouts) else 1)
+        save = tmp / f"{family}-{number}-{layout}"
+        phases.append(Phase(family, recipe, layout, load, step, iters, save, source))
+        load, source = save, layout
+    return reference, phases
+
+
+def saved_checkpoints(reference: Phase, phases: list[Phase]) -> dict[str, tuple[Path, int]]:
+    """Layout -> (checkpoint root, iteration) of the checkpoint the cycle saved in that layout."""
+    saved = {"cpu": (reference.save, SAVED_AT)}
+    saved.update({p.layout: (p.save, p.iters) for p in phases[:-1]})
+    return saved
+
+
+def pairs(family: str, saved: dict[str, tuple[Path, int]], which: list[tuple[str, str]], tmp: Path) -> list[Phase]:
+    """Two-iteration resumes of the cycle's checkpoint of each source into each target."""
+    recipe = FAMILIES[family]
+    out = []
+    for source, target in which:
+        load, step = saved[source]
+        out.append(Phase(family, recipe, target, load, step, step + 2, tmp / f"{family}-{source}-to-{target}", source))
+    return out
+
+
+def all_other_pairs(family: str) -> list[tuple[str, str]]:
+    layouts = shipped_cpu_layouts(FAMILIES[family])
+    in_cycle = set(zip(layouts, layouts[1:] + ["cpu"]))
+    return [(s, t) for s in layouts for t in layouts if s != t and (s, t) not in in_cycle and (s, t) not in USER_PAIRS]
+
+
+def _nemo_here(argv: list[str]) -> None:
+    """``nemo ARGV`` in this process (one process, CPU mode)."""
+    from bridge_ext import commands
+    from bridge_ext.cpu import reset_megatron_globals
+
+    reset_megatron_globals()
+    try:
+        assert commands.main(argv) == 0, argv
+    finally:
+        reset_megatron_globals()
+
+
+class _Clock:
+    """Wall and CPU seconds (this process and its children) of a block, into ``times[what]``: on a shared
+    machine the CPU seconds say what an idle 2-core CI machine needs (about CPU / 2 for a launch that keeps
+    both cores busy, CPU for this process)."""
+
+    def __init__(self, times: dict, what: str):
+        self.times, self.what = times, what
+
+    @staticmethod
+    def _cpu() -> float:
+        import resource
+
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    def __enter__(self):
+        self.wall, self.cpu = time.time(), self._cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.times[self.what] = f"{time.time() - self.wall:.1f} s wall, {self._cpu() - self.cpu:.1f} s CPU"
+
+
+def _run(phases: list[Phase], exports: list[list[str]], tmp: Path, times: dict) -> None:
+    """``phases`` in order of falling process count (4, 2, then this process); ``exports`` (distributed, 2
+    processes) after the 2-process phases."""
+    for nproc in (4, 2):
+        plan = [p.argv() for p in phases if p.processes == nproc] + (exports if nproc == 2 else [])
+        if plan:
+            with _Clock(times, f"{nproc}-process launch, {len(plan)} phases") as clock:
+                seconds = launch(plan, tmp, nproc=nproc)
+            times[clock.what] += f" (phases: {seconds})"
+    here = [p for p in phases if p.processes == 1]
+    if here:
+        with _Clock(times, f"{len(here)} runs in this process"):
+            for p in here:
+                _nemo_here(p.argv())
+
+
+def _export_here(saved: dict[str, dict[str, tuple[Path, int]]], tmp: Path, times: dict) -> dict[tuple[str, str], dict]:
+    """Every saved checkpoint exported on one process, streaming and ``--no-stream``."""
+    out = {}
+    with _Clock(times, "exports in this process"):
+        for family, by_layout in saved.items():
+            for layout, (root, step) in by_layout.items():
+                dirs = {}
+                for way, extra in (("stream", []), ("model", ["--no-stream"])):
+                    dirs[way] = tmp / f"hf-{family}-{layout}-{way}"
+                    _nemo_here(["llm", "export", "--ckpt", str(root), "--iteration", str(step), "--out",
+                                str(dirs[way]), *extra])
+                out[(family, layout)] = dirs
+    return out
+
+
+def distributed_exports(saved: dict[str, dict[str, tuple[Path, int]]], tmp: Path) -> tuple[list[list[str]], dict]:
+    """One 2-process export per saved checkpoint, the export layouts taken in turn (those the model can take)."""
+    from recipes import get_recipe
+
+    plan, where = [], {}
+    for family, by_layout in saved.items():
+        layers = _num_layers(get_recipe(FAMILIES[family]))
+        moe = "cpu-ep2" in by_layout
+        usable = [a for a in EXPORT_LAYOUTS if (a[0] != "--ep" or moe) and (a[0] != "--pp" or layers % 2 == 0)]
+        for number, (layout, (root, step)) in enumerate(by_layout.items()):
+            sizes = usable[number % len(usable)]
+            out = tmp / f"hf-{family}-{layout}-{sizes[0][2:]}2"
+            plan.append(["llm", "export", "--ckpt", str(root), "--iteration", str(step), "--out", str(out), *sizes])
+            where[(family, layout)] = (out, " ".join(sizes))
+    return plan, where
+
+
+def _num_layers(recipe) -> int:
+    import json
+
+    from recipes.models import HF_CONFIGS
+
+    return json.loads((HF_CONFIGS / recipe.model.name / "config.json").read_text())["num_hidden_layers"]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    from bridge_ext.training import read_losses
+
+    return read_losses(run / "losses.jsonl")
+
+
+def check_losses(phases: list[Phase], references: dict[str, Phase]) -> None:
+    """Each resumed run's losses are the reference's at the same iterations, within LOSS_TOL."""
+    worst, failures = {}, []
+    for p in phases:
+        got, want = _losses(p.save), _losses(references[p.recipe].save)
+        assert list(got) == list(range(p.step + 1, p.iters + 1)), (p.save.name, got)
+        assert all(math.isfinite(v) for v in got.values()), (p.save.name, got)
+        worst[p.save.name] = max(abs(got[i] - want[i]) for i in got)
+        if worst[p.save.name] > LOSS_TOL:
+            failures.append((p.save.name, {i: (got[i], want[i]) for i in got}))
+    print("\nloss |resumed - reference|:", {k: f"{v:.1e}" for k, v in worst.items()})
+    assert not failures, failures
+
+
+def check_exports(here: dict, distributed: dict) -> None:
+    """Streaming export = ``--no-stream`` export = the 2-process ``--tp/--pp/--ep`` export, bit for bit."""
+    for (family, layout), dirs in here.items():
+        case = f"{family} saved at {layout}"
+        want = load_safetensors(dirs["model"])
+        assert len(want) > 10, case
+        assert_bit_identical(load_safetensors(dirs["stream"]), want, f"{case}: streaming export")
+        for file in ("config.json", "model.safetensors.index.json"):
+            assert (dirs["stream"] / file).read_bytes() == (dirs["model"] / file).read_bytes(), (case, file)
+        if (family, layout) in distributed:
+            out, sizes = distributed[(family, layout)]
+            assert_bit_identical(load_safetensors(out), want, f"{case}: export {sizes} on 2 processes")
+
+
+def adamw_dp2_phases(tmp: Path) -> tuple[Phase, list[Phase], Phase]:
+    """AdamW with megatron-core's distributed optimizer on DP2, trained 2 iterations from scratch (DP draws the
+    one-process weights: the reference's losses); its checkpoint on one process, where CPU mode has no
+    distributed optimizer, is refused in one line (bridge_ext.relayout: that state loads only into one)."""
+    reference = Phase("qwen3", ADAMW, "cpu", None, 0, 4, tmp / "adamw-ref", save_interval=4)
+    dp2 = Phase("qwen3", ADAMW, "cpu-dp2", None, 0, SAVED_AT, tmp / "adamw-dp2")
+    refused = Phase("qwen3", ADAMW, "cpu", dp2.save, SAVED_AT, 4, tmp / "adamw-dp2-to-cpu", "cpu-dp2")
+    return reference, [dp2], refused
+
+
+def check_refusal(nemo, phase: Phase) -> None:
+    """DP2's distributed-optimizer checkpoint on one process: one line naming the fields, exit 2, no training."""
+    done = nemo(phase.argv())
+    assert done.code == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert f"{phase.load} iteration {phase.step} holds the distributed optimizer's state" in errors[0], errors[0]
+    assert "optimizer.use_distributed_optimizer=true" in errors[0] and "checkpoint.load_optim=false" in errors[0]
+    assert not (phase.save / "losses.jsonl").exists()
+
+
+@dataclass
+class Matrix:
+    """What one selection ran: the runs to check, the exports to compare."""
+
+    references: dict[str, Phase]
+    resumes: list[Phase]
+    exported_here: dict
+    exported_on_two: dict
+    refused: Phase | None
+
+
+def run_matrix(tmp: Path, families: list[str], *, every_pair: bool, adamw: bool, exports: bool,
+               times: dict) -> Matrix:
+    """The references, cycles and pairs of ``families`` (every ordered pair of layouts with ``every_pair``),
+    the exports of each cycle checkpoint, and with ``adamw`` the AdamW DP2 runs."""
+    references, cycles, saved = {}, [], {}
+    for family in families:
+        reference, phases = cycle(family, tmp)
+        references[reference.recipe] = reference
+        cycles += phases
+        saved[family] = saved_checkpoints(reference, phases)
+    adamw_phases, refused = [], None
+    if adamw:
+        reference, adamw_phases, refused = adamw_dp2_phases(tmp)
+        references[ADAMW] = reference
+    with _Clock(times, f"{len(references)} references in this process"):
+        for reference in references.values():
+            _nemo_here(reference.argv())
+    plan, distributed = distributed_exports(saved, tmp) if exports else ([], {})
+    extra = []
+    for family in families:
+        layouts = shipped_cpu_layouts(FAMILIES[family])
+        which = [(s, t) for s, t in USER_PAIRS if s in layouts] + (all_other_pairs(family) if every_pair else [])
+        extra += pairs(family, saved[family], which, tmp)
+    # the cycle's phases first (each launch in cycle order), the pairs after: their sources all exist by then
+    _run(cycles + adamw_phases, plan, tmp, times)
+    _run(extra, [], tmp, times)
+    here = _export_here(saved, tmp, times) if exports else {}
+    return Matrix(references, cycles + adamw_phases + extra, here, distributed, refused)
+
+
+def _matrix(tmp: Path, families: list[str], *, every_pair: bool, nemo=None, exports: bool = True) -> None:
+    """run_matrix, its times printed, then the checks (with ``nemo``, the fixture: the AdamW DP2 runs too)."""
+    times: dict = {}
+    with _Clock(times, "total"):
+        done = run_matrix(tmp, families, every_pair=every_pair, adamw=nemo is not None, exports=exports, times=times)
+    print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
+    check_exports(done.exported_here, done.exported_on_two)
+    if done.refused is not None:
+        check_refusal(nemo, done.refused)
+    check_losses(done.resumes, done.references)
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_kimi_k2_and_qwen3_in_every_layout_export_and_resume_in_the_next(cpu_mode, nemo, tmp_path):
+    """Kimi K2 (MLA, MoE) and Qwen3 dense proxies: the cycle, the users' pairs, every export; AdamW DP2 -> 1."""
+    _matrix(tmp_path, STACK_FAMILIES, every_pair=False, nemo=nemo)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_qwen3_moe_and_moonlight_in_every_layout_export_and_resume_in_the_next(cpu_mode, tmp_path):
+    """The other two families: the cycle, the users' pairs, every export."""
+    _matrix(tmp_path, [f for f in FAMILIES if f not in STACK_FAMILIES], every_pair=False)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_every_family_resumes_every_saved_layout_in_every_other_layout(cpu_mode, tmp_path):
+    """All ordered pairs of shipped layouts, per family (the cycles again as their sources)."""
+    _matrix(tmp_path, list(FAMILIES), every_pair=True, exports=False)
