@@ -354,3 +354,49 @@ def test_qwen3_moe_and_moonlight_in_every_layout_export_and_resume_in_the_next(c
 def test_every_family_resumes_every_saved_layout_in_every_other_layout(cpu_mode, tmp_path):
     """All ordered pairs of shipped layouts, per family (the cycles again as their sources)."""
     _matrix(tmp_path, list(FAMILIES), every_pair=True, exports=False)
+
+
+@pytest.mark.parametrize(("saved", "now", "refused"), [
+    # (saved: dist-opt, fully reshardable, TP, PP), (now: dist-opt, load_optim, TP, PP), the line's distinctive part
+    ((True, False, 1, 1), (False, True, 1, 1), "this run has none (CPU mode turns it off on one process)"),
+    ((True, True, 2, 1), (False, True, 1, 1), "this run has none (CPU mode turns it off on one process)"),
+    ((True, False, 2, 1), (True, True, 1, 1), "which loads only at TP2 PP1; this run is TP1 PP1"),
+    ((True, False, 1, 1), (True, True, 1, 2), "which loads only at TP1 PP1; this run is TP1 PP2"),
+    ((True, True, 2, 1), (True, True, 1, 2), None),     # the fully reshardable format changes TP and PP
+    ((True, False, 2, 1), (True, True, 2, 1), None),     # the same TP and PP: any DP
+    ((True, False, 2, 1), (False, False, 1, 1), None),   # checkpoint.load_optim=false: weights only
+    ((False, False, 2, 1), (False, True, 1, 1), None),   # no distributed optimizer saved
+])
+def test_distributed_optimizer_state_a_layout_cannot_load_is_one_line(tmp_path, saved, now, refused):
+    """bridge_ext.relayout.prepare reads the resumed iteration's run_config.yaml; the cases from megatron-core's
+    DistributedOptimizer.sharded_state_dict (dp_reshardable: 'resharding only in DP dimension') and the
+    measured KeyError 'step' of a distributed optimizer's state in torch's Adam."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from bridge_ext import relayout
+    from bridge_ext.errors import UserError
+
+    dist, reshardable, tp, pp = saved
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    (tmp_path / "iter_0000002" / "run_config.yaml").write_text(yaml.safe_dump({
+        "optimizer": {"use_distributed_optimizer": dist},
+        "checkpoint": {"save_optim": True, "ckpt_format": "torch_dist", "dist_ckpt_optim_fully_reshardable": reshardable},
+        "model": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1},
+    }))
+    dist_now, load_optim, tp_now, pp_now = now
+    cfg = SimpleNamespace(
+        checkpoint=SimpleNamespace(load=str(tmp_path), ckpt_step=None, finetune=False, load_rng=True, load_optim=load_optim),
+        optimizer=SimpleNamespace(use_distributed_optimizer=dist_now),
+        model=SimpleNamespace(tensor_model_parallel_size=tp_now, pipeline_model_parallel_size=pp_now,
+                              expert_model_parallel_size=1))
+    if refused is None:
+        assert relayout.prepare(cfg, world_size=tp_now * pp_now) is None
+        return
+    with pytest.raises(UserError) as raised:
+        relayout.prepare(cfg, world_size=tp_now * pp_now)
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"{tmp_path} iteration 2 holds the distributed optimizer's state")
+    assert refused in line and "checkpoint.load_optim=false" in line, line
