@@ -82,9 +82,10 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         from bridge_ext.stack import have_transformer_engine
 
         if not have_transformer_engine():  # a bare PyTorch image: the local spec on the GPU (bridge_ext.without_te)
-            from bridge_ext.without_te import configure_without_te
+            from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
 
             note = configure_without_te(cfg)
+            patches.apply("cpu", only=TE_FREE_PATCHES)  # MLA and MoE modules built without TE
             if not quiet and is_rank_zero():
                 print(note, file=sys.stderr, flush=True)
     from bridge_ext.muon.attention_logits import QKClipTracking, use_kernel_max_logit

@@ -47,9 +47,9 @@ def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
 
 
 def configure_without_te(cfg: Any) -> str:
-    """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE, apply :data:`TE_FREE_PATCHES`; a console note."""
-    from bridge_ext import patches
-
+    """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE; a console note. The caller applies
+    :data:`TE_FREE_PATCHES` (``patches.apply("cpu", only=TE_FREE_PATCHES)``: this module sits below the patch
+    registry, which imports CPU mode, which starts from :data:`TE_KERNEL_SETTINGS`)."""
     model = cfg.model
     changed = [name for name, value in _GPU_WITHOUT_TE_SETTINGS.items()
                if hasattr(model, name) and getattr(model, name) != value]
@@ -61,6 +61,5 @@ def configure_without_te(cfg: Any) -> str:
     model.transformer_layer_spec = local_layer_spec
     if cfg.rng is not None:
         cfg.rng.te_rng_tracker = False
-    patches.apply("cpu", only=TE_FREE_PATCHES)
     return ("Transformer Engine is not installed: megatron-core's local layer spec on the GPU, "
             f"bf16 kept; off: {', '.join(changed) or 'nothing else'}")

@@ -254,7 +254,7 @@ def test_gqa_clip_on_a_tp2_shard_is_the_one_process_clip(cpu_mode):
     from megatron.core.transformer.attention import SelfAttention
 
     from bridge_ext import patches
-    from bridge_ext.patches import muon_layout
+    from bridge_ext.patches import transformer as muon_layout
 
     patches.apply("stack")
     upstream = getattr(SelfAttention._clip_linear_qkv, "_bridge_ext_original", SelfAttention._clip_linear_qkv)
@@ -271,24 +271,22 @@ def test_gqa_clip_on_a_tp2_shard_is_the_one_process_clip(cpu_mode):
 
 
 def test_presets_pin_the_layout_free_tp_mode_and_launch_checks_name_the_field():
-    """Every Muon preset pins ``muon_tp_mode=duplicated`` (the update of one process at every TP size); the
-    launch check refuses blockwise at TP > 1 and the legacy GroupedMLP in one line naming the field."""
+    """Every Muon preset pins ``muon_tp_mode=duplicated`` (the update of one process at every TP size; blockwise
+    stays a user's explicit choice, test_blockwise_tp_mode_gives_another_update_at_tp2 shows what it does); the
+    launch check refuses the legacy GroupedMLP under Muon in one line naming the field."""
     from bridge_ext.build import build_config
-    from bridge_ext.patches.muon_layout import layout_problems
+    from bridge_ext.muon.checks import launch_problems
     from recipes import get_recipe
     from recipes.optimizers import PRESETS
 
     assert {p.optimizer["muon_tp_mode"] for p in PRESETS.values() if p.kind == "muon"} == {"duplicated"}
-    assert layout_problems(build_config(get_recipe(DENSE), layout="cpu-tp2")) == []
-    blockwise = build_config(get_recipe(DENSE), layout="cpu-tp2", overrides=["optimizer.muon_tp_mode=blockwise"])
-    (line,) = layout_problems(blockwise)
-    assert line.startswith("optimizer.muon_tp_mode=blockwise with TP2:") and "duplicated" in line
-    assert layout_problems(build_config(get_recipe(DENSE), layout="cpu", overrides=["optimizer.muon_tp_mode=blockwise"])) == []
+    assert build_config(get_recipe(DENSE), layout="cpu-tp2").optimizer.muon_tp_mode == "duplicated"
     moe = build_config(get_recipe(MOE), layout="cpu-ep2")
     if hasattr(moe.model, "moe_use_legacy_grouped_gemm"):  # megatron-core 0.16-0.18; 0.19 has no legacy GroupedMLP
-        assert layout_problems(moe) == []
+        assert launch_problems(moe) == []
         moe.model.moe_use_legacy_grouped_gemm = True
-        (line,) = layout_problems(moe)
+        (line,) = launch_problems(moe)
         assert line.startswith("model.moe_use_legacy_grouped_gemm=true with Muon")
-    adamw = build_config(get_recipe("qwen3_proxy_adamw"), layout="cpu-tp2", overrides=["optimizer.muon_tp_mode=blockwise"])
-    assert layout_problems(adamw) == []
+        adamw = build_config(get_recipe("qwen3_moe_proxy_adamw"), layout="cpu-ep2")
+        adamw.model.moe_use_legacy_grouped_gemm = True
+        assert launch_problems(adamw) == []

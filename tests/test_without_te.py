@@ -32,5 +32,7 @@ def test_local_spec_bf16_kept(name):
     # the spec is megatron-core's own without TE: the function CPU mode trains with (tests/test_cpu_training.py)
     assert model.transformer_layer_spec is local_layer_spec
     assert "transformer_impl" in note and "gradient_accumulation_fusion" in note
-    needed = set(patches.applied_here(["cpu"])) & set(TE_FREE_PATCHES)  # what this stack's code needs of the three
-    assert "mla-core-attention" in needed and needed <= set(patches.applied())
+    # the patches training.prepare then applies exist in CPU mode's scope (apply(only=...) raises KeyError if not)
+    # and this stack's MLA needs the SDPA core attention
+    names = {p.name for p in patches.REGISTRY if p.scope == "cpu"}
+    assert set(TE_FREE_PATCHES) <= names and "mla-core-attention" in patches.applied_here(["cpu"])

@@ -178,6 +178,11 @@ def launch_problems(cfg: Any) -> list[str]:
                    "runs Muon only without the distributed optimizer (dist_muon is the layer-wise distributed "
                    "Muon already; Megatron-LM issue 2164); set optimizer.use_distributed_optimizer=false and "
                    "ddp.use_distributed_optimizer=false")
+    if (opt.optimizer in ("muon", "dist_muon") and getattr(model, "num_moe_experts", None)
+            and getattr(model, "moe_use_legacy_grouped_gemm", False)):
+        out.append("model.moe_use_legacy_grouped_gemm=true with Muon: the legacy GroupedMLP holds a rank's experts "
+                   "as one matrix, which Muon orthogonalizes as one (experts mixed, how many depends on EP); set "
+                   "model.moe_use_legacy_grouped_gemm=false")
     if cfg.checkpoint.ckpt_format == "torch" and _layer_wise(opt) and layer_wise_file_in_root():
         out.append(f"checkpoint.ckpt_format=torch with layer-wise Muon ({opt.optimizer}): {package_of(_CKPT)} "
                    "writes its optimizer state to <checkpoint.save>/layer_wise_optimizer_<rank>.pt, which every "

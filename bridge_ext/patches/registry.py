@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from bridge_ext.cpu import patches as cpu
-from bridge_ext.patches import (checkpointing, conversion, import_time, muon_layout, optimizer, optimizer_fields,
+from bridge_ext.patches import (checkpointing, conversion, import_time, optimizer, optimizer_fields,
                                  rehearse, training, transformer)
 from bridge_ext.patches.core import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
@@ -27,7 +27,6 @@ REGISTRY: tuple[Patch, ...] = (
     *optimizer.PATCHES,
     *optimizer_fields.PATCHES,
     *transformer.PATCHES,
-    *muon_layout.PATCHES,
     *training.PATCHES,
     *checkpointing.PATCHES,
     *conversion.PATCHES,

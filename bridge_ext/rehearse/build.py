@@ -66,9 +66,11 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
         from bridge_ext.stack import have_transformer_engine
 
         if not have_transformer_engine():  # as a GPU training run without TE (bridge_ext.without_te)
-            from bridge_ext.without_te import configure_without_te
+            from bridge_ext import patches
+            from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
 
             notes.append(configure_without_te(cfg))
+            patches.apply("cpu", only=TE_FREE_PATCHES)  # MLA and MoE modules built without TE
     cfg.comm_overlap = None
     cfg.dist.use_gloo_process_groups = False  # a fake world has no Gloo peers
     for name in ("overlap_grad_reduce", "overlap_param_gather"):
