@@ -51,7 +51,7 @@ def _stored_chunk_counts(iter_dir: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.stack
+@pytest.mark.heavy  # every stack: tests/test_layout_matrix.py streams the same layouts' checkpoints (CI's budget)
 def test_checkpoints_saved_in_other_layouts_stream_export_as_the_model_built_export(nemo, tmp_path):
     from bridge_ext.convert.stream.torch_dist import TorchDistChunks
 
