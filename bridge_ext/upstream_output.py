@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["NOISE", "PROGRESS", "Noise", "RunConsole", "destination", "log_file", "megatron_warnings_once",
-           "quiet_megatron", "run_console"]
+__all__ = ["CHILD_WARNINGS", "NOISE", "PROGRESS", "Noise", "RunConsole", "destination", "log_file",
+           "megatron_warnings_once", "quiet_megatron", "run_console"]
 
 
 def quiet_megatron() -> None:
@@ -137,6 +137,10 @@ NOISE: tuple[Noise, ...] = (
           "eval_interval to ValidationConfig; it maps the train.* values the recipes set on every stack"),
 )
 
+# What a helper process of the run (spawned: it imports torch again) would print on its stderr, which goes to
+# the terminal (:class:`RunConsole`): the same warnings as the run's own, which its log holds (PYTHONWARNINGS).
+CHILD_WARNINGS = ("ignore:The pynvml package is deprecated:FutureWarning",)
+
 # Megatron's lines that the console keeps: progress, not chatter (Step Time's TFLOP/s mean nothing on CPU).
 PROGRESS: tuple[Noise, ...] = (
     Noise(r"\biteration\s+\d+/\s*\d+ \|", "megatron-bridge train_utils.training_log: the iteration line"),
@@ -195,7 +199,9 @@ def _writer(frame) -> tuple[bool, int | None]:
 
 class RunConsole:
     """The console of one run (:func:`run_console`): our lines and Megatron's progress on stdout/stderr as
-    before, the rest of what upstream writes (Python or C, this process or its children) in a log file."""
+    before, the rest of what upstream writes in a log file: Python's writes to ``sys.stdout`` / ``sys.stderr`` and
+    warnings, and what C code and child processes write to file descriptor 1 (gloo's lines). What they write to
+    file descriptor 2 reaches the terminal unfiltered: a fatal error's last words are never held by a thread."""
 
     def __init__(self, *, gpu: bool | None):
         self._gpu = gpu
@@ -251,8 +257,12 @@ class RunConsole:
             stream.flush()
         self._saved = (sys.stdout, sys.stderr, warnings.showwarning)
         self.console_out = _console_stream(sys.stdout, 1)
-        self.console_err = _console_stream(sys.stderr, 2)
-        self._taps = [_FdTap(1, self, self.console_out), _FdTap(2, self, self.console_err)]
+        self.console_err = sys.stderr  # file descriptor 2 stays the terminal's
+        # stdout only: C code's stderr (an NCCL error, an abort's message) must reach the terminal even when the
+        # process dies before a reader thread could pass it on; gloo's per-group lines are on stdout
+        self._taps = [_FdTap(1, self, self.console_out)]
+        self._saved_env = os.environ.get("PYTHONWARNINGS")  # helper processes (spawned) import torch again
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [self._saved_env, *CHILD_WARNINGS]))
         sys.stdout = _Filtered(self, self.console_out, self._saved[0])
         sys.stderr = _Filtered(self, self.console_err, self._saved[1])
         warnings.showwarning = self._show_warning
@@ -264,6 +274,10 @@ class RunConsole:
             with contextlib.suppress(Exception):
                 stream.flush()
         sys.stdout, sys.stderr = self._saved[0], self._saved[1]
+        if self._saved_env is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = self._saved_env
         if warnings.showwarning is self._show_warning or getattr(warnings.showwarning, "_bridge_ext_once", False):
             warnings.showwarning = self._saved[2]
         for tap in self._taps:
@@ -359,8 +373,8 @@ class _Filtered(io.TextIOBase):
 
 
 class _FdTap:
-    """What is written to file descriptor ``fd`` itself (C code: gloo, NCCL; child processes; handlers that kept
-    the original stream), read from a pipe by a thread and routed by the line."""
+    """What is written to file descriptor ``fd`` itself (C code: gloo; child processes; handlers that kept the
+    original stream), read from a pipe by a thread and routed by the line."""
 
     def __init__(self, fd: int, owner: RunConsole, console):
         self._fd, self._owner, self._console = fd, owner, console
