@@ -440,8 +440,10 @@ def run_console(*, verbose: bool = False,
         yield console
     except BaseException as exc:
         from bridge_ext.errors import UserError
+        from bridge_ext.stack import UpstreamDrift
 
-        if not isinstance(exc, (UserError, KeyboardInterrupt)) and not (
+        # a one-line refusal (bad input, or installed code a fix does not know): nothing trained, nothing written
+        if not isinstance(exc, (UserError, UpstreamDrift, KeyboardInterrupt)) and not (
                 isinstance(exc, SystemExit) and exc.code in (0, None)):
             failed = True
         elif console.path is not None and console._log is None:
