@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,16 +50,11 @@ def main(plan_path: str) -> int:
 def launch(plan: list[list[str]], cwd: Path, *, nproc: int, timeout: int = 1800) -> list[float]:
     """Runs ``plan`` (each phase the arguments after ``nemo``) in one ``torchrun`` launch of ``nproc`` processes
     from this interpreter's venv; asserts it succeeded; returns the seconds of each phase."""
+    from parallel_driver import torchrun  # the test process's side (tests/ is on its path)
+
     path = cwd / f"matrix-plan-{nproc}.json"
     path.write_text(json.dumps({"phases": plan}))
-    with socket.socket() as s:  # a free port for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), str(path)]
-    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-8000:]
+    torchrun(os.path.abspath(__file__), path, cwd, nproc=nproc, timeout=timeout, tail=8000)
     return json.loads(path.with_suffix(".times.json").read_text())
 
 

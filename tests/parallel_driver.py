@@ -44,20 +44,27 @@ def main(plan_path: str) -> int:
     return 0
 
 
+def torchrun(script: str, plan_path: Path, cwd: Path, *, nproc: int, timeout: int,
+             tail: int = 6000) -> subprocess.CompletedProcess:
+    """One ``torchrun`` launch of ``nproc`` processes of ``script PLAN`` from this interpreter's venv on a free port;
+    asserts it succeeded (the output's tail as the message). Also tests/layout_matrix_driver.py's launcher."""
+    with socket.socket() as s:  # a free port for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), script, str(plan_path)]
+    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-tail:]
+    return done
+
+
 def launch(plan: list[list[str]], cwd: Path, *, nproc: int, timeout: int = 1500) -> str:
     """Runs ``plan`` (phases of ``nemo llm pretrain`` arguments) in one ``torchrun`` launch of ``nproc`` processes
     from this interpreter's venv; asserts it succeeded and returns its stdout."""
     path = cwd / f"plan-{nproc}.json"
     path.write_text(json.dumps({"phases": plan}))
-    with socket.socket() as s:  # a free port for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), str(path)]
-    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return done.stdout
+    return torchrun(os.path.abspath(__file__), path, cwd, nproc=nproc, timeout=timeout).stdout
 
 
 if __name__ == "__main__":
