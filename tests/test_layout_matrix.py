@@ -351,7 +351,8 @@ def test_qwen3_moe_and_moonlight_in_every_layout_export_and_resume_in_the_next(c
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.once  # ~9 min on 2 idle cores (estimated): CI runs it on 26.02 only; the cycle above runs everywhere
+@pytest.mark.once
+@pytest.mark.exhaustive  # ~9 min on 2 idle cores (estimated): make test runs it, CI not; the cycle above runs everywhere
 def test_every_family_resumes_every_saved_layout_in_every_other_layout(cpu_mode, tmp_path):
     """All ordered pairs of shipped layouts, per family (the cycles again as their sources)."""
     _matrix(tmp_path, list(FAMILIES), every_pair=True, exports=False)
