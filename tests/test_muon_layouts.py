@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_io import read_global_tensors
+from hand_muon import newton_schulz
+from parallel_driver import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE, MOE, KIMI = "qwen3_proxy_muon", "qwen3_moe_proxy_muon", "kimi_k2_proxy_muon"
@@ -50,7 +48,6 @@ GQA_TAU, MLA_TAU = 3.0, 0.06
 GQA_CLIP = (["model.qk_clip=true"], {"model.qk_clip_threshold": GQA_TAU})
 MLA_CLIP = ([], {"model.qk_clip_threshold": MLA_TAU})
 TOL, ADAM_TOL, HAND_TOL = 5e-7, 2e-4, 2e-6
-KJ = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic Newton-Schulz coefficients (moonlight, kimi_k2)
 
 # (case, recipe, layout, overrides); the first case of each recipe in world 1 saves its initial weights
 NONE = ([], {})
@@ -65,12 +62,6 @@ SAME = {"dense-tp2": "dense-1", "dense-pp2": "dense-1", "gqa-tp2": "gqa-1", "kim
         "kimi-ep2": "kimi-1", "moe-ep2": "moe-1", "moe-tp2": "moe-1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, cases: list[tuple], nproc: int) -> str:
     seen: set[str] = set()
     plan = []
@@ -80,14 +71,7 @@ def _launch(out: Path, cases: list[tuple], nproc: int) -> str:
         seen.add(recipe)
     path = out / f"plan-{nproc}.json"
     path.write_text(json.dumps({"out": str(out), "cases": plan}))
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(ROOT / "tests" / "muon_layout_driver.py"), str(path)]
-    done = subprocess.run(command, cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=900)
-    ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]  # the failing rank's traceback
-    assert done.returncode == 0, "\n".join(ranks[-40:]) or (done.stdout + done.stderr)[-6000:]
-    return done.stdout
+    return torchrun(str(ROOT / "tests" / "muon_layout_driver.py"), path, out, nproc=nproc, timeout=900).stdout
 
 
 def _adam_stepped(key: str) -> bool:
@@ -98,26 +82,13 @@ def _record(out: Path, case: str) -> dict:
     return json.loads((out / f"{case}.json").read_text())
 
 
-def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Keller Jordan's iteration, float64, on the wide orientation (Moonlight, arXiv 2502.16982, Algorithm 1)."""
-    a, b, c = KJ
-    x = g.double() / (g.double().norm() + 1e-7)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if tall else x
-
-
 def _muon(w0: torch.Tensor, g: torch.Tensor, *, lr: float, wd: float, parts: list[torch.Tensor] | None = None):
     """One Muon step from zero momentum (the Nesterov vector is then a multiple of g, which Newton-Schulz
     normalizes away): W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS(G), per part when ``parts`` index rows."""
     update = torch.empty_like(g, dtype=torch.float64)
     for rows in parts or [torch.arange(g.shape[0])]:
         part = g[rows]
-        update[rows] = _newton_schulz(part) * 0.2 * math.sqrt(max(part.shape))
+        update[rows] = newton_schulz(part.double()) * 0.2 * math.sqrt(max(part.shape))
     return w0.double() * (1 - lr * wd) - lr * update
 
 

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from ckpt_io import read_global_tensors
+from hand_muon import newton_schulz
 from parallel_driver import launch
 
 MOE, DENSE = "qwen3_moe_proxy_muon", "qwen3_proxy_muon"
@@ -205,19 +206,6 @@ def _check_four_processes_tp2_ep2_compute_the_one_process_step(runs):
     assert not worst, worst
 
 
-def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Keller Jordan's quintic iteration (3.4445, -4.7750, 2.0315), the moonlight preset's, written out."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g / (g.norm() + 1e-7)
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:
-        x = x.T
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if transposed else x
-
-
 def _check_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
     """W2 = W1 (1 - lr wd) - lr * 0.2 sqrt(max(shard shape)) NS(u_shard), per TP shard of linear_proj (row
     parallel: split along its input dimension), with u the Nesterov vector recovered from the saved momenta
@@ -238,8 +226,8 @@ def _check_tp2_blockwise_orthogonalizes_each_shard_alone(runs):
         g = (m2 - beta * m1) / (1 - beta)
         u = g + beta * (m2 - g)
         shards = torch.chunk(u, 2, dim=1)
-        blockwise = torch.cat([_newton_schulz(s) * extra * math.sqrt(max(s.shape)) for s in shards], dim=1)
-        whole = _newton_schulz(u) * extra * math.sqrt(max(u.shape))
+        blockwise = torch.cat([newton_schulz(s) * extra * math.sqrt(max(s.shape)) for s in shards], dim=1)
+        whole = newton_schulz(u) * extra * math.sqrt(max(u.shape))
         error = (w2 - (w1 * (1 - lr * wd) - lr * blockwise)).abs().max().item()
         control = (duplicated[key][layer].double() - (w1 * (1 - lr * wd) - lr * whole)).abs().max().item()
         other = (w2 - (w1 * (1 - lr * wd) - lr * whole)).abs().max().item()
