@@ -127,5 +127,6 @@ def test_a_missing_shard_or_another_models_checkpoint_is_one_line_and_writes_not
         assert done.code == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
         errors = [l for l in done.stderr.splitlines() if l.startswith("error:")]
         assert len(errors) == 1, done.stderr
-        assert f"{gone} is missing (it holds " in errors[0] and ".weight at [" in errors[0], errors[0]
+        # which tensor the file held first depends on the stack's save order: any name, then its region
+        assert re.search(rf"{re.escape(str(gone))} is missing \(it holds [\w.]+ at \[\d", errors[0]), errors[0]
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")]
