@@ -178,14 +178,28 @@ def _type_name(value: Any) -> str:
             list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
 
 
-def _check_types(new: Any, old: Any, path: str) -> Any:
-    """``new`` with ints widened to floats where the recipe has a float; error on other type changes."""
+def _declared_float(cfg: Any, dotted: str) -> bool:
+    """Whether the dataclass field at ``dotted`` is annotated ``float`` (megatron-core declares some float
+    fields with an int default: ``TransformerConfig.qk_clip_threshold: float = 100``)."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        cfg = getattr(cfg, part, None)
+    field = getattr(cfg, "__dataclass_fields__", {}).get(leaf)
+    return field is not None and "float" in str(field.type)
+
+
+def _check_types(new: Any, old: Any, path: str, cfg: Any = None) -> Any:
+    """``new`` with ints widened to floats where the recipe has a float (or the field is declared float);
+    error on other type changes."""
     if isinstance(old, dict) and isinstance(new, dict):
-        return {k: _check_types(v, old.get(k), f"{path}.{k}" if path else k) for k, v in new.items()}
+        return {k: _check_types(v, old.get(k), f"{path}.{k}" if path else k, cfg) for k, v in new.items()}
     if old is None or new is None or type(old) is type(new):
         return new
     if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
         return float(new)
+    if (isinstance(old, int) and not isinstance(old, bool) and isinstance(new, float)
+            and _declared_float(cfg, path)):
+        return new
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
         return new
     if isinstance(old, str) and old.startswith("torch.") and isinstance(new, str):
@@ -264,7 +278,7 @@ def apply_user_overrides(cfg: ConfigContainer, *, yaml_path: str | Path | None =
             raise UserError(" ".join(str(exc).split()).split(" full_key:")[0]) from None
         explicit |= {override_key(item) for item in overrides}
 
-    final = _check_types(OmegaConf.to_container(omega, resolve=True), base, "")
+    final = _check_types(OmegaConf.to_container(omega, resolve=True), base, "", cfg)
     final.pop("__version__", None)
     apply_overrides(cfg, final, excluded)
     for dotted, value in object_values:

@@ -165,6 +165,16 @@ def test_int_override_of_float_field_becomes_float():
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
 
 
+def test_float_override_of_float_field_with_an_int_default_is_taken():
+    """megatron-core declares ``qk_clip_threshold: float = 100``: the Qwen3 recipes hold the int 100, and a user's
+    2.5 is a float for that field (a float into an int-declared field stays refused, below)."""
+    cfg = build_config(recipes.get_recipe("qwen3_8b_muon"),
+                       overrides=["model.qk_clip=true", "model.qk_clip_threshold=2.5"])
+    assert cfg.model.qk_clip_threshold == 2.5
+    with pytest.raises(UserError, match="train.global_batch_size expects an integer"):
+        build_config(recipes.get_recipe("qwen3_8b_muon"), overrides=["train.global_batch_size=2.5"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

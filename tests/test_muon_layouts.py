@@ -43,8 +43,7 @@ DENSE, MOE, KIMI = "qwen3_proxy_muon", "qwen3_moe_proxy_muon", "kimi_k2_proxy_mu
 EXACT = ["optimizer.muon_fp32_matmul_prec=highest"]
 # between the proxies' per-head maxima at this batch (GQA 2.70-3.22, MLA 0.054-0.084): some heads clipped, some not
 GQA_TAU, MLA_TAU = 3.0, 0.06
-# tau through build_config's values: the Qwen3 recipes' qk_clip_threshold is megatron-core's integer default 100,
-# which a key=value override may only replace with an integer
+# tau through build_config's values (the same as a model.qk_clip_threshold=3.0 override: tests/test_build.py)
 GQA_CLIP = (["model.qk_clip=true"], {"model.qk_clip_threshold": GQA_TAU})
 MLA_CLIP = ([], {"model.qk_clip_threshold": MLA_TAU})
 TOL, ADAM_TOL, HAND_TOL = 5e-7, 2e-4, 2e-6
