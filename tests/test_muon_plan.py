@@ -120,6 +120,35 @@ def test_blockwise_tensor_parallel_splits_the_matrices():
     assert proj.ns_matrices == ((4096, 4096 // 4),) * 4  # row-parallel: split along the input dim
 
 
+def test_duplicated_tensor_parallel_runs_the_whole_matrix_on_every_tp_rank():
+    """The presets' ``muon_tp_mode=duplicated`` at TP4 (Qwen3-8B on h100x8): emerging-optimizers'
+    ``newton_schulz_tp`` all-gathers each shard and orthogonalizes the whole matrix on every TP rank, so the step's
+    Newton-Schulz work is 4 x the whole matrices and each rank's is the whole matrices (blockwise: its shard)."""
+    from bridge_ext.plan.ranks import rank_params
+
+    recipe = get_recipe("qwen3_8b_muon")
+    assert recipe.preset.optimizer["muon_tp_mode"] == "duplicated" and recipe.layout("h100x8").tp == 4
+    plan = muon_plan(recipe, layout="h100x8")
+    qkv = next(r for r in plan.rows if r.pattern.endswith("linear_qkv.weight"))
+    proj = next(r for r in plan.rows if r.pattern.endswith("linear_proj.weight"))
+    whole_qkv = _ns(32 * 128, 4096) + 2 * _ns(8 * 128, 4096)  # Q, K, V apart (32 heads, 8 KV groups of 128)
+    assert "TP4 duplicated" in qkv.split and (qkv.ns_flops, proj.ns_flops) == (36 * 4 * whole_qkv, 36 * 4 * _ns(4096, 4096))
+    layout = recipe.layout("h100x8")
+    per_rank = {t.name: t.ns_flops for t in rank_params(recipe.model.architecture, plan.rows, layout)[0].tensors}
+    assert per_rank["decoder.layers.0.self_attention.linear_qkv.weight"] == whole_qkv
+    assert per_rank["decoder.layers.0.self_attention.linear_proj.weight"] == _ns(4096, 4096)
+    # blockwise, the same rank: its shard of Q, K and V, and of the row-parallel projection
+    import dataclasses
+
+    from recipes.optimizers import derive
+
+    blockwise = derive(recipe.preset, name="blockwise", summary="", source="", optimizer={"muon_tp_mode": "blockwise"})
+    rows = muon_plan(dataclasses.replace(recipe, preset=blockwise), layout="h100x8").rows
+    per_rank = {t.name: t.ns_flops for t in rank_params(recipe.model.architecture, rows, layout)[0].tensors}
+    assert per_rank["decoder.layers.0.self_attention.linear_qkv.weight"] == _ns(8 * 128, 4096) + 2 * _ns(2 * 128, 4096)
+    assert per_rank["decoder.layers.0.self_attention.linear_proj.weight"] == _ns(4096, 1024)
+
+
 @pytest.mark.parametrize("shape", [(96, 48), (64, 64), (40, 160)])
 def test_ns_flops_formula_matches_a_flop_counter(shape):
     import torch

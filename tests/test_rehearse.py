@@ -151,10 +151,10 @@ def test_hand_counts_written_out():
 
 
 def _as_planned(name: str, layout: str) -> Any:
-    """The recipe, with ``muon_tp_mode=blockwise`` where its layout has TP > 1: ``nemo llm plan``'s Newton-Schulz
-    FLOPs per rank are blockwise TP's (each rank its own shard). The presets' ``duplicated`` mode (layout-free
-    updates, tests/test_muon_layouts.py) runs other Newton-Schulz work per TP rank, which plan does not count yet
-    (docs/cpu.md); memory is the same in both modes."""
+    """The recipe, with ``muon_tp_mode=blockwise`` where its layout has TP > 1: there plan's Newton-Schulz FLOPs
+    per rank (each rank its own shard) and the rehearsal's agree. For the presets' ``duplicated`` mode plan counts
+    the whole matrix on every TP rank (tests/test_muon_plan.py), which the rehearsal's count has not been
+    reconciled with (docs/cpu.md); memory is the same in both modes."""
     import dataclasses
 
     from recipes import get_recipe

@@ -42,7 +42,7 @@ class PlanRow:
     route: Route
     split: str  # how Muon splits the matrix before Newton-Schulz
     ns_matrices: tuple[tuple[int, int], ...]  # the matrices Newton-Schulz runs on, per copy
-    ns_flops: int  # per optimizer step, all copies
+    ns_flops: int  # per optimizer step, all copies, every TP rank's work (duplicated mode: TP x the whole matrix)
 
     @property
     def copies(self) -> int:
@@ -121,9 +121,10 @@ def _ranges(indices: Sequence[int]) -> str:
 
 
 class _PlanBuilder:
-    def __init__(self, *, muon: bool, steps: int, split_qkv: bool, tp: int, etp: int, split_gate_up: bool = False):
+    def __init__(self, *, muon: bool, steps: int, split_qkv: bool, tp: int, etp: int,
+                 tp_mode: Literal["blockwise", "duplicated"], split_gate_up: bool = False):
         self.muon, self.steps, self.split_qkv, self.tp, self.etp = muon, steps, split_qkv, tp, etp
-        self.split_gate_up = split_gate_up
+        self.tp_mode, self.split_gate_up = tp_mode, split_gate_up
         self.rows: list[PlanRow] = []
 
     def add(self, pattern: str, shape: tuple[int, ...], *, layers: Sequence[int] | None = None,
@@ -131,16 +132,22 @@ class _PlanBuilder:
             pieces: Sequence[tuple[int, int]] | None = None, tp_dim: int | None = None) -> None:
         # megatron-core 0.16 optimizer/muon.py:215: 2-D and not embedding/output -> Muon, else Adam
         to_muon = self.muon and len(shape) == 2 and not embedding
+        runs = 1  # how many TP ranks run Newton-Schulz on each of ``matrices``
         if to_muon:
             tp = self.etp if experts else self.tp
-            matrices = tuple(b for piece in (pieces or [shape]) for b in _blocks(piece, tp, tp_dim))
-            if tp > 1 and tp_dim is not None:
-                split = f"{split}; TP{tp} blockwise (dim {tp_dim})" if split != "none" else f"TP{tp} blockwise"
+            sharded = tp > 1 and tp_dim is not None
+            if self.tp_mode == "blockwise":  # each rank its own shard
+                matrices = tuple(b for piece in (pieces or [shape]) for b in _blocks(piece, tp, tp_dim))
+            else:  # emerging-optimizers newton_schulz_tp(mode="duplicated"): all-gathered, whole on every TP rank
+                matrices, runs = tuple(pieces or [shape]), tp if sharded else 1
+            if sharded:
+                mode = f"TP{tp} {self.tp_mode}" + (f" (dim {tp_dim})" if self.tp_mode == "blockwise" else "")
+                split = f"{split}; {mode}" if split != "none" else mode
         else:
             matrices, split = (), "-"
         layers_t = tuple(layers) if layers is not None else None
         copies = (len(layers_t) if layers_t is not None else 1) * (experts or 1)
-        flops = copies * sum(newton_schulz_flops(r, c, self.steps) for r, c in matrices)
+        flops = copies * runs * sum(newton_schulz_flops(r, c, self.steps) for r, c in matrices)
         self.rows.append(PlanRow(pattern=pattern, shape=tuple(shape), layers=layers_t, experts=experts,
                                  route="muon" if to_muon else "adam", split=split, ns_matrices=matrices,
                                  ns_flops=flops))
@@ -243,8 +250,7 @@ def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
     opt = preset.optimizer
     muon = preset.kind == "muon"
     b = _PlanBuilder(muon=muon, steps=opt.get("muon_num_ns_steps", 5), split_qkv=opt.get("muon_split_qkv", True),
-                     tp=chosen.tp if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1,
-                     etp=(chosen.etp or 1) if opt.get("muon_tp_mode", "blockwise") == "blockwise" else 1,
+                     tp=chosen.tp, etp=chosen.etp or 1, tp_mode=opt.get("muon_tp_mode", "blockwise"),
                      split_gate_up=muon and getattr(preset, "split_gate_up", False))
     _plan_rows(arch, b)
     rows = tuple(b.rows)

@@ -105,8 +105,8 @@ def _numel(name: str, shape: tuple[int, ...], *, tp: int, etp: int, spec: Spec, 
 
 
 def _ns_per_rank(row: Any, numel: int) -> int:
-    """One copy's Newton-Schulz FLOPs on a rank holding ``numel`` of it: the manifest's blocks are the TP shards
-    (blockwise mode), equal in size, so a rank runs 1/split of them."""
+    """One copy's Newton-Schulz FLOPs on a rank holding ``numel`` of it, 1/split of the row's work: blockwise
+    mode's blocks are the TP shards, equal in size; duplicated mode's work is TP whole matrices, one per rank."""
     if not row.ns_flops:
         return 0
     split = math.prod(row.shape) // numel
