@@ -229,10 +229,11 @@ def test_the_private_name_check_fails_on_a_planted_import(tmp_path):
 
 # --- Muon state, and what bridge_ext/patches may import ---------------------------------------------------------
 
-# What a module of bridge_ext/patches may import of ours besides its own package, bridge_ext.stack and
-# bridge_ext.errors (the ground floor): the packages whose behaviour its patches wire in (docs/architecture.md).
+# What a module of bridge_ext/patches may import of ours besides its own package, the mechanism (bridge_ext.patching),
+# bridge_ext.stack and bridge_ext.errors (the ground floor): the packages whose behaviour its patches wire in
+# (docs/architecture.md).
 WIRED_IN = ("bridge_ext.muon", "bridge_ext.cpu", "bridge_ext.kill_safe", "bridge_ext.relayout")
-PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
+PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.patching", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
 # Module-level values that hold nothing mutable, whatever their name.
 _IMMUTABLE_CALLS = {"frozenset", "tuple", "str", "int", "float", "compile", "TypeVar", "Literal", "namedtuple"}
 
@@ -278,24 +279,19 @@ def patches_importing_more(root: Path) -> list[str]:
     return found
 
 
-def wired_in_applying_at_import(root: Path) -> list[str]:
-    """A package patches wire in switches its rows on through ``bridge_ext.patches`` (the registry's face) inside a
-    function: importing it never runs the registry, which imports it. Rows it declares itself (CPU mode's) build on
-    ``bridge_ext.patches.core``, the ``Patch`` type, which imports nothing of ours but ``stack``."""
+def wired_in_importing_the_registry(root: Path) -> list[str]:
+    """A package patches wire in imports nothing of ``bridge_ext.patches`` (the registry imports it, to list rows
+    that point at its code), at any depth: it switches its rows on through ``bridge_ext.patching`` (``apply``,
+    ``temporarily``: the mechanism, which imports nothing of ours but ``stack``), and rows it declares itself (CPU
+    mode's) build on the ``Patch`` type there."""
     found = []
     for package in WIRED_IN:
         base = root.joinpath(*package.split("."))
         paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
         for path in paths:
-            tree = ast.parse(path.read_text())
-            at_import = {id(node) for node in _module_level(tree)}
-            for node, module in _our_imports(root, path, ast.walk(tree)):
-                if not _within(module, ("bridge_ext.patches",)) or module == "bridge_ext.patches.core":
-                    continue
-                if module != "bridge_ext.patches":
+            for node, module in _our_imports(root, path, ast.walk(ast.parse(path.read_text()))):
+                if _within(module, ("bridge_ext.patches",)):
                     found.append(f"{_where(root, path, node)} imports {module}")
-                elif id(node) in at_import:
-                    found.append(f"{_where(root, path, node)} imports bridge_ext.patches at import time")
     return found
 
 
@@ -344,7 +340,7 @@ def test_muon_state_lives_in_bridge_ext_muon_only():
 
 
 def test_patches_import_only_upstream_the_stack_and_what_they_wire_in():
-    found = patches_importing_more(REPO) + wired_in_applying_at_import(REPO)
+    found = patches_importing_more(REPO) + wired_in_importing_the_registry(REPO)
     assert not found, "\n".join(found)
 
 
@@ -355,7 +351,7 @@ def test_the_muon_and_patches_checks_see_what_they_look_for(tmp_path):
     for package in OURS:
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
     assert muon_state_outside_muon(tmp_path) == patches_importing_more(tmp_path) == []
-    assert wired_in_applying_at_import(tmp_path) == []
+    assert wired_in_importing_the_registry(tmp_path) == []
     rows = tmp_path / "bridge_ext" / "patches" / "optimizer.py"
     rows.write_text(rows.read_text() + "\nMUON = MuonRunTime()\n_muon_seen: dict = {}\n"
                     "def f():\n    from bridge_ext import build\n")
@@ -365,7 +361,9 @@ def test_the_muon_and_patches_checks_see_what_they_look_for(tmp_path):
     assert patches_importing_more(tmp_path) == [f"bridge_ext/patches/optimizer.py:{lines} imports bridge_ext.build"]
     split = tmp_path / "bridge_ext" / "muon" / "split.py"
     split.write_text("from bridge_ext import patches\nfrom bridge_ext.patches.optimizer import PATCHES\n"
-                     + split.read_text())
-    assert wired_in_applying_at_import(tmp_path) == [
-        "bridge_ext/muon/split.py:1 imports bridge_ext.patches at import time",
-        "bridge_ext/muon/split.py:2 imports bridge_ext.patches.optimizer"]
+                     + split.read_text() + "\ndef g():\n    from bridge_ext.patches import apply\n")
+    lines = len(split.read_text().splitlines())
+    assert wired_in_importing_the_registry(tmp_path) == [
+        "bridge_ext/muon/split.py:1 imports bridge_ext.patches",
+        "bridge_ext/muon/split.py:2 imports bridge_ext.patches.optimizer",
+        f"bridge_ext/muon/split.py:{lines} imports bridge_ext.patches"]

@@ -9,7 +9,7 @@ import contextlib
 import math
 from typing import Any
 
-from bridge_ext import runtime
+from bridge_ext import patching, runtime
 from bridge_ext.errors import UserError
 from bridge_ext.stack import have_transformer_engine
 from bridge_ext.without_te import TE_KERNEL_SETTINGS, local_layer_spec
@@ -244,10 +244,8 @@ def validation_without_gpu(cfg: Any):
       absent: their check says whether TE is installed here, nothing about the target.
     Everything else ``validate()`` checks still runs.
     """
-    from bridge_ext import patches
-
     if not have_transformer_engine():
         for flag in _TE_KERNEL_FLAGS:
             setattr(cfg.model, flag, False)
-    with patches.temporarily("dryrun"):  # validate-without-gpu
+    with patching.temporarily("dryrun"):  # validate-without-gpu
         yield

@@ -6,6 +6,8 @@ is visible), never on a normal GPU run.
 
 from __future__ import annotations
 
+from bridge_ext import patching
+
 __all__ = ["cpu_mode_active", "enable_cpu_mode"]
 
 _active = False
@@ -24,9 +26,7 @@ def enable_cpu_mode() -> None:
     global _active
     if _active:
         return
-    from bridge_ext import patches  # the registry imports this package's rows: switched on here, not at import
-
-    patches.apply("import")
-    patches.apply("stack")
-    patches.apply("cpu")
+    patching.apply("import")
+    patching.apply("stack")
+    patching.apply("cpu")
     _active = True

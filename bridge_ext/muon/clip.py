@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from bridge_ext import patching
 from bridge_ext.muon.attention_logits import attentions
 from bridge_ext.muon.runtime import MUON_CLIP
 
@@ -28,9 +29,7 @@ def install_muon_clip() -> None:
     after ``optimizer.step()`` when ``model.qk_clip`` is set; that one reaches the decoder as
     ``model_chunk.module.module`` and raises ``AttributeError`` for fp32 models (no Float16Module).
     """
-    from bridge_ext import patches
-
-    patches.apply("muon", only=MUON_CLIP)
+    patching.apply("muon", only=MUON_CLIP)
 
 
 def clip_qk(model: Any, *, log_max_only: bool = False) -> float | None:

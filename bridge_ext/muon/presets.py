@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Literal
 
+from bridge_ext import patching
 from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
 from bridge_ext.muon.runtime import MUON, NS_COEFFICIENTS
@@ -40,13 +41,11 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
     """
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
 
-    from bridge_ext import patches
-
     if coefficient_type not in _COEFFICIENT_SETS:
         raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
                         f"emerging-optimizers has: {', '.join(_COEFFICIENT_SETS)}")
     MUON.ns_coefficients = coefficient_type
-    if not patches.apply("muon", only=NS_COEFFICIENTS):
+    if not patching.apply("muon", only=NS_COEFFICIENTS):
         from bridge_ext.stack import UpstreamDrift, package_of
 
         raise UpstreamDrift(f"{package_of('megatron.core')}: no TensorParallelMuon in megatron.core.optimizer's "

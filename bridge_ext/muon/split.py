@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from bridge_ext import patching
 from bridge_ext.muon.runtime import GATE_UP_SPLIT, MUON
 
 __all__ = ["GATE_UP_PATTERN", "flag_main_params", "gate_up_apart", "gate_up_split_installed", "install_gate_up_split",
@@ -42,10 +43,8 @@ def install_gate_up_split(enabled: bool) -> None:
     (to flag the gated ``linear_fc1`` weights by name, which only the model knows) and
     ``TensorParallelMuon.orthogonalize``.
     """
-    from bridge_ext import patches
-
     MUON.split_gate_up = enabled
-    patches.apply("muon", only=GATE_UP_SPLIT)
+    patching.apply("muon", only=GATE_UP_SPLIT)
 
 
 def mark_gate_up_params(model_chunks: Any) -> int:

@@ -1,5 +1,6 @@
 """Every change we make to upstream behaviour (Megatron Bridge, megatron-core, emerging-optimizers, torch), in one
-package, with one mechanism (:class:`Patch`) and one registry (:data:`REGISTRY`).
+package, with one mechanism (:class:`Patch`, in ``bridge_ext.patching``, below every package the rows wire in) and
+one registry (:data:`REGISTRY`).
 
 A patch names the upstream code it works around, the condition it applies under (decided from the installed
 code by capability, never by version numbers), the code it relies on (matched by content: drift is one line
@@ -25,7 +26,7 @@ Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, 
 ``python -m bridge_ext.patches`` prints the table (``--markdown``: docs/patches.md).
 """
 
-from bridge_ext.patches.core import Area, Patch, Scope, problems
+from bridge_ext.patching import Area, Patch, Scope, problems
 from bridge_ext.patches.registry import (
     REGISTRY,
     applied,

@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patches.core import Patch, one_of
+from bridge_ext.patching import Patch, one_of
 from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["PATCHES", "groups_collide", "pair_param_groups"]

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["PATCHES"]

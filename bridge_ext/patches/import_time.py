@@ -23,7 +23,7 @@ import importlib.machinery
 import re
 import sys
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patching import Patch
 from bridge_ext.stack import have_transformer_engine
 
 __all__ = ["MISSING_TE", "MISSING_TEX", "PATCHES", "guard_source", "guarded_modules"]

@@ -36,7 +36,7 @@ from typing import Any
 from bridge_ext.muon.clip import bridge_clip_qk
 from bridge_ext.muon.runtime import GATE_UP_SPLIT, NS_COEFFICIENTS, ns_coefficients_default
 from bridge_ext.muon.split import gate_up_apart, marking_gate_up
-from bridge_ext.patches.core import Patch
+from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, package_of, signature_params
 
 __all__ = ["PATCHES", "renamed_kwarg"]

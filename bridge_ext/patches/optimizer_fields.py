@@ -35,7 +35,7 @@ from functools import cache
 from typing import Any
 
 from bridge_ext.errors import UserError
-from bridge_ext.patches.core import Patch
+from bridge_ext.patching import Patch
 from bridge_ext.stack import module_source, package_of
 
 __all__ = [

@@ -4,7 +4,9 @@
 a scope's patches that the installed code needs, once per process, after checking that each still fits
 (nothing is changed when one does not: one line of :class:`~bridge_ext.stack.UpstreamDrift`). ``drift()`` is
 the same check for every patch, ``table()`` the rows of docs/patches.md and ``applied()`` what this process
-changed.
+changed. ``bridge_ext.patching.apply`` / ``temporarily`` hand to these (:func:`bridge_ext.patching.serve`): the
+packages whose behaviour the rows wire in (``muon``, ``cpu``) switch their rows on through them without importing
+this module, which imports theirs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
+from bridge_ext import patching
 from bridge_ext.cpu import patches as cpu
 from bridge_ext.patches import (checkpointing, conversion, import_time, optimizer, optimizer_fields,
                                  rehearse, training, transformer)
-from bridge_ext.patches.core import Patch, Scope, problems, set_value
+from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
 __all__ = ["REGISTRY", "applied", "applied_here", "apply", "drift", "markdown", "table", "temporarily"]
@@ -83,6 +86,9 @@ def temporarily(scope: Scope) -> Iterator[tuple[str, ...]]:
     finally:
         for owner, name, old in reversed(restore):
             setattr(owner, name, old)
+
+
+patching.serve(apply=apply, temporarily=temporarily)
 
 
 def applied() -> tuple[str, ...]:

@@ -50,7 +50,7 @@ import inspect
 from collections.abc import Callable
 from pathlib import Path
 
-from bridge_ext.patches.core import Patch
+from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, module_source, package_of
 
 __all__ = ["PATCHES"]

@@ -78,7 +78,7 @@ from typing import Any
 
 from bridge_ext.muon.checks import nonpositive_logit_nans
 from bridge_ext.muon.clip import floored_clip_qk
-from bridge_ext.patches.core import Area, Patch, rewrite
+from bridge_ext.patching import Area, Patch, rewrite
 from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["AREA", "HF_LATENT_NORM_EPS", "PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard",

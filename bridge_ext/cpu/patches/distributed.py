@@ -11,7 +11,7 @@ import inspect
 from typing import Any
 
 from bridge_ext.cpu.patches.redirect import real_torch
-from bridge_ext.patches.core import Patch, rewrite
+from bridge_ext.patching import Patch, rewrite
 from bridge_ext.stack import UpstreamDrift, module_source, package_of
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]

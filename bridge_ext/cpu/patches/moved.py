@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, torch_proxy
-from bridge_ext.patches.core import Patch, Snippet, one_of
+from bridge_ext.patching import Patch, Snippet, one_of
 from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
 
 __all__ = ["MOVED", "Home", "PATCHES"]

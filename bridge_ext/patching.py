@@ -1,4 +1,7 @@
 """The one patch mechanism: what a patch is, how it is checked against the installed code, how it is applied.
+The rows are declared in ``bridge_ext.patches`` (the GPU path's deviations) and ``bridge_ext.cpu.patches`` (CPU
+mode's), and listed in one registry (``bridge_ext.patches.registry``); this module sits below all of them and
+below the packages whose behaviour the rows wire in (``muon``, ``cpu``, ``kill_safe``, ``relayout``).
 
 A :class:`Patch` replaces (or sets) one upstream attribute, ``module.attr``, with what its ``make`` builds from
 the current value, or, for the few changes that are not one attribute (an import hook, a function every module
@@ -15,14 +18,15 @@ import importlib
 import inspect
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
 
-__all__ = ["Area", "Patch", "Scope", "Snippet", "always", "one_of", "owner_of", "problems", "rewrite", "rewritten",
-           "set_value"]
+__all__ = ["Area", "Patch", "Scope", "Snippet", "always", "apply", "one_of", "owner_of", "problems", "rewrite",
+           "rewritten", "serve", "set_value", "temporarily"]
 
 # The upstream area a patch works around (how docs/patches.md groups them).
 Area = Literal["optimizer", "transformer", "training", "checkpointing", "conversion", "import", "cpu", "rehearse"]
@@ -180,3 +184,35 @@ def rewrite(name: str, module: str, qualname: str, replacements: tuple[tuple[str
     return (*bound, Patch(name=name, area=area, scope=scope, module=module, attr=qualname, upstream=upstream,
                           why=why, when=when, snippets=(*olds, *also_expects), needed=needed,
                           make=rewritten(qualname, replacements)))
+
+
+# --- switching rows on, for the packages the rows wire in ---------------------------------------------------------
+#
+# ``muon`` and ``cpu`` switch their rows on (a Muon preset installed, CPU mode enabled) while the registry imports
+# them, to list rows that point at their code. They call :func:`apply` / :func:`temporarily` here, which hand the
+# call to the registry's own: ``bridge_ext.patches.registry`` serves them when it is imported, and
+# ``bridge_ext/__init__.py`` imports it before any other module of ours runs. The registry stays the one table;
+# nothing here holds rows.
+
+_served: dict[str, Callable[..., Any]] = {}
+
+
+def serve(*, apply: Callable[..., tuple[str, ...]], temporarily: Callable[[Scope], AbstractContextManager]) -> None:
+    """Called once by the registry at its import: the functions :func:`apply` and :func:`temporarily` hand to."""
+    _served.update(apply=apply, temporarily=temporarily)
+
+
+def _registry(name: str) -> Callable[..., Any]:
+    if name not in _served:
+        raise RuntimeError("bridge_ext.patches.registry is not imported (bridge_ext/__init__.py imports it)")
+    return _served[name]
+
+
+def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
+    """``bridge_ext.patches.apply``: the scope's needed patches (``only``: those named), once per process."""
+    return _registry("apply")(scope, only=only)
+
+
+def temporarily(scope: Scope) -> AbstractContextManager:
+    """``bridge_ext.patches.temporarily``: the scope's needed patches for a ``with`` block, then upstream's values."""
+    return _registry("temporarily")(scope)
