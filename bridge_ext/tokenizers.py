@@ -37,9 +37,11 @@ from typing import Any, Literal
 
 from bridge_ext.errors import UserError
 from bridge_ext.runtime import rename_into_place
+from bridge_ext.stack import UpstreamDrift, signature_params, version_of
 
 __all__ = ["KIMI_PAT_STR", "KIMI_RESERVED_SPECIAL_TOKENS", "TextTokenizer", "TokenizerKind", "check_tokenizer_fits",
-           "load_tokenizer", "megatron_tokenizer_dir", "tokenizer_problem", "use_megatron_tokenizer"]
+           "load_tokenizer", "megatron_tokenizer_dir", "tiktoken_converter", "tokenizer_problem",
+           "use_megatron_tokenizer"]
 
 TokenizerKind = Literal["huggingface", "tiktoken"]
 
@@ -329,8 +331,6 @@ def megatron_tokenizer_dir(directory: str | Path, *, quiet: bool = True) -> Path
 def _write_converted(tok: TextTokenizer, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from bridge_ext.patches.adapters import tiktoken_converter
-
     shutil.copyfile(tok.directory / "tiktoken.model", out / "tiktoken.model")
     encoding = tok._backend
     specials = sorted(encoding._special_tokens.items(), key=lambda item: item[1])
@@ -408,3 +408,21 @@ def use_megatron_tokenizer(cfg: Any, *, quiet: bool = True) -> None:
     kwargs.setdefault("use_fast", True)  # the tokenizer.json prepare-data encoded with (megatron-core: slow)
     kwargs["trust_remote_code"] = False
     cfg.tokenizer.hf_tokenizer_kwargs = kwargs
+
+
+def tiktoken_converter(*, vocab_file: str, pattern: str, special_tokens: list[str]) -> Any:
+    """transformers' ``convert_slow_tokenizer.TikTokenConverter`` for ``vocab_file`` with ``special_tokens`` added
+    after its ranks, in that order.
+
+    Its keyword for them is ``additional_special_tokens`` in transformers 4 and ``extra_special_tokens`` in 5
+    (5.3 on); the constructor takes ``**kwargs``, so the other name is accepted and dropped without a word (a
+    Kimi K2 conversion then lost its 256 special tokens). The name is read from the installed signature."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    params = signature_params(TikTokenConverter.__init__)
+    keyword = next((name for name in ("extra_special_tokens", "additional_special_tokens") if name in params), None)
+    if keyword is None:
+        raise UpstreamDrift(f"transformers {version_of('transformers')}: TikTokenConverter takes neither "
+                            "extra_special_tokens nor additional_special_tokens; bridge_ext's tiktoken_converter "
+                            "needs its new keyword for this release")
+    return TikTokenConverter(vocab_file=vocab_file, pattern=pattern, **{keyword: list(special_tokens)})

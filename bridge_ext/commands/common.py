@@ -19,11 +19,8 @@ from bridge_ext.runtime import is_rank_zero, launcher_world_size, write_atomic
 if TYPE_CHECKING:
     from bridge_ext.build import Resolved
 
-__all__ = ["PART_SELECTORS", "Command", "Parser", "add_training_arguments", "check_new_file", "error", "resolve",
-           "run_line", "select_recipe", "show_or_write", "split_part_selectors", "summary", "write_new_file"]
-
-PART_SELECTORS = ("preset", "layout")  # `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout
-
+__all__ = ["Command", "Parser", "add_training_arguments", "check_new_file", "error", "resolve",
+           "run_line", "select_recipe", "show_or_write", "summary", "write_new_file"]
 
 # ------------------------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
@@ -93,20 +90,10 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
-def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``({part: NAME}, the other overrides)`` for the :data:`PART_SELECTORS` among ``overrides``."""
-    parts, remaining = {}, []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in PART_SELECTORS:
-            parts[key] = value
-        else:
-            remaining.append(item)
-    return parts, remaining
-
-
 def select_recipe(args: argparse.Namespace, get: Callable[[str], Any]) -> Any:
     """``args.recipe`` by ``get`` with its preset; ``preset=NAME`` / ``layout=NAME`` overrides move onto ``args``."""
+    from bridge_ext.overrides import split_part_selectors
+
     parts, args.overrides = split_part_selectors(args.overrides)
     args.preset, args.layout = parts.get("preset", args.preset), parts.get("layout", args.layout)
     recipe = get(args.recipe)

@@ -7,8 +7,6 @@ to call, and which names to use.
   values (0.3.0, whose recipes build it inline).
 * ``optimizer_fields``: a preset's optimizer fields under the names the installed ``OptimizerConfig`` uses.
 * :func:`lora_merge`: Megatron Bridge's ``LoRAMerge`` and the keywords its ``merge`` needs for one process.
-* :func:`tiktoken_converter`: transformers' ``TikTokenConverter`` with special tokens, under the keyword the
-  installed release takes.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from bridge_ext.stack import UpstreamDrift, signature_params, version_of
+from bridge_ext.stack import signature_params
 
 __all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template",
-           "lora_merge", "sft_root_for_validate", "tiktoken_converter"]
+           "lora_merge", "sft_root_for_validate"]
 
 
 def pretrain_template():
@@ -217,21 +215,3 @@ def lora_merge() -> tuple[Any, dict[str, Any]]:
 
     merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
     return merge, {k: v for k, v in (("tp_size", 1), ("tp_group", None)) if k in signature_params(merge.merge)}
-
-
-def tiktoken_converter(*, vocab_file: str, pattern: str, special_tokens: list[str]) -> Any:
-    """transformers' ``convert_slow_tokenizer.TikTokenConverter`` for ``vocab_file`` with ``special_tokens`` added
-    after its ranks, in that order.
-
-    Its keyword for them is ``additional_special_tokens`` in transformers 4 and ``extra_special_tokens`` in 5
-    (5.3 on); the constructor takes ``**kwargs``, so the other name is accepted and dropped without a word (a
-    Kimi K2 conversion then lost its 256 special tokens). The name is read from the installed signature."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    params = signature_params(TikTokenConverter.__init__)
-    keyword = next((name for name in ("extra_special_tokens", "additional_special_tokens") if name in params), None)
-    if keyword is None:
-        raise UpstreamDrift(f"transformers {version_of('transformers')}: TikTokenConverter takes neither "
-                            "extra_special_tokens nor additional_special_tokens; bridge_ext's tiktoken_converter "
-                            "needs its new keyword for this release")
-    return TikTokenConverter(vocab_file=vocab_file, pattern=pattern, **{keyword: list(special_tokens)})
