@@ -147,7 +147,7 @@ def test_shipped_instruction_set_pairs_docstrings_with_signatures():
 def test_training_order_follows_dataset_seed(tmp_path, monkeypatch):
     """Megatron Bridge reads training.jsonl in file order: the recipe's dataset.seed orders the records we write."""
     from bridge_ext.build import resolve
-    from bridge_ext.finetune.run import use_finetune_data
+    from bridge_ext.training import use_finetune_data
     from recipes.finetune import get_finetune_recipe
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "output": f"a{i}"} for i in range(30)])
@@ -313,7 +313,7 @@ def proxy_ckpt(tmp_path_factory):
 @pytest.mark.heavy
 @pytest.mark.stack  # fine-tuning's data order, checkpoint save and resume (megatron-bridge 0.6's batch sampler)
 def test_sft_eval_loss_falls_and_resume_is_bit_exact(nemo, proxy_ckpt, tmp_path):
-    from bridge_ext.finetune.run import read_eval
+    from bridge_ext.training import read_eval
     from bridge_ext.training import read_losses
 
     run = tmp_path / "sft"
@@ -445,7 +445,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt
     from bridge_ext.convert import export_hf
     from bridge_ext.cpu import reset_megatron_globals
     from bridge_ext.build import resolve
-    from bridge_ext.finetune.run import run_finetune
+    from bridge_ext.training import run_finetune
     from recipes.finetune import get_finetune_recipe
 
     monkeypatch.chdir(tmp_path)

@@ -6,7 +6,7 @@
 Same pipeline, override grammar and precedence as ``nemo llm pretrain`` (recipe < ``--yaml`` < ``key=value``;
 ``preset=NAME`` / ``layout=NAME`` pick recipe parts). ``--data stdlib-signatures`` is the shipped instruction
 set (``bridge_ext.finetune.instructions``); ``--hf DIR`` imports a Hugging Face checkpoint into the cache first
-(``bridge_ext.finetune.run``). The run itself is ``bridge_ext.finetune.run.run_finetune``.
+(``bridge_ext.training.import_on_the_fly``). The run itself is ``bridge_ext.training.run_finetune``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--hf {args.hf} does not exist")
     if pretrained and not Path(pretrained).is_dir():
         raise UserError(f"checkpoint.pretrained_checkpoint={pretrained} does not exist")
-    from bridge_ext.finetune.run import import_target
+    from bridge_ext.training import import_target
 
     target = import_target(Path(args.hf)) if args.hf else None
     if target is not None:  # named before validation: Megatron Bridge validates PEFT only with a base checkpoint
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         if not training:
             show_or_write(resolved, args, task_lines=task_lines)
             return 0
-        from bridge_ext.finetune.run import import_on_the_fly, run_finetune
+        from bridge_ext.training import import_on_the_fly, run_finetune
 
         if target is not None:
             pretrained = str(import_on_the_fly(Path(args.hf), target))

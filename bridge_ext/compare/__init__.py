@@ -19,7 +19,7 @@ overrides: ``nemo llm compare qwen3_proxy_muon qwen3_proxy_adamw --out DIR``.
 Fine-tuning recipes (``recipes.finetune``: ``<model>_sft_*``, ``<model>_lora_*``) compare the same way, from
 one pretrained checkpoint (``checkpoint.pretrained_checkpoint=DIR``, applied to every run) on one instruction
 set (``--data FILE.jsonl`` or ``stdlib-signatures``, the default): each worker runs ``nemo llm finetune``'s own
-path (``bridge_ext.finetune.run.run_finetune``), the training records in the order of ``--seed``
+path (``bridge_ext.training.run_finetune``), the training records in the order of ``--seed``
 (``dataset.seed``), the same for every run. Besides the training loss, each run's loss on the held-out split
 (``eval.jsonl``, Megatron Bridge's validation ``lm loss`` at every ``train.eval_interval`` and after the last
 iteration; also in the run's TensorBoard log ``runs/<run>/tb``) is compared: ``eval.csv`` and the console's

@@ -79,7 +79,7 @@ def check_pretrained(runs: list[Run], common: list[str]) -> None:
 
 def check_finetune_runs(runs: list[Run], configured: dict[str, tuple[Any, Any]], data: str) -> str:
     """Every fine-tuning run has a pretrained checkpoint of its model and reads the same rendered data."""
-    from bridge_ext.finetune.run import use_finetune_data
+    from bridge_ext.training import use_finetune_data
 
     roots, line = {}, ""
     for run in runs:

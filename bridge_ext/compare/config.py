@@ -13,7 +13,7 @@ __all__ = ["configure", "run_settings"]
 def configure(run: Run, *, iters: int, seed: int, data: str, common: list[str], quiet: bool):
     """The run's ``ConfigContainer``: recipe, common and per-run overrides, then data, budget and seed.
 
-    A fine-tuning recipe's data is not applied here (``bridge_ext.finetune.run.use_finetune_data`` renders
+    A fine-tuning recipe's data is not applied here (``bridge_ext.training.use_finetune_data`` renders
     it from the pretrained checkpoint's tokenizer)."""
     from bridge_ext.build import build_config
     from bridge_ext.data import use_text_corpus

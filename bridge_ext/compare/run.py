@@ -134,7 +134,7 @@ def run_compare(runs: list[Run], *, out: Path, iters: int | None = None, seed: i
 
     losses = {r.label: r.losses for r in results}
     if finetune:
-        from bridge_ext.finetune.run import read_eval  # the last pass per iteration (the final one at the end)
+        from bridge_ext.training import read_eval  # the last pass per iteration (the final one at the end)
 
         evals = {run.label: read_eval(out / "runs" / run.dirname / "eval.jsonl") for run in runs}
     else:

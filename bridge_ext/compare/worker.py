@@ -40,7 +40,7 @@ def train_one(spec: dict[str, Any], *, callbacks: Sequence[Any] = ()) -> None:
     data.CORPUS_MAX_BYTES = spec.get("corpus_max_bytes", data.CORPUS_MAX_BYTES)
     run = Run(spec["recipe"], spec["overrides"], spec["label"])
     if spec.get("finetune"):
-        from bridge_ext.finetune.run import run_finetune
+        from bridge_ext.training import run_finetune
 
         cfg, recipe, _ = configure(run, iters=spec["iters"], seed=spec["seed"], data=spec["data"],
                                    common=spec["common"], quiet=True)

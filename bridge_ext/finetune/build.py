@@ -74,7 +74,7 @@ def lora_config(recipe: FinetuneRecipe) -> Any:
 
 
 def finetune_tokenizer_dir(recipe: FinetuneRecipe) -> str | None:
-    """The proxies' shipped tokenizer; ``None`` for full models: the checkpoint's (``bridge_ext.finetune.run``)."""
+    """The proxies' shipped tokenizer; ``None`` for full models: the checkpoint's (``bridge_ext.training``)."""
     if recipe.model.proxy_of is None:
         return None
     from bridge_ext.data import PROXY_TOKENIZER_DIR

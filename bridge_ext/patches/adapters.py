@@ -182,7 +182,7 @@ def mixed_precision_for_validate(cfg: Any) -> Iterator[None]:
         cfg.mixed_precision = name
 
 
-# What a fine-tuning dry run validates before ``--data`` is rendered (bridge_ext.finetune.run sets the root then).
+# What a fine-tuning dry run validates before ``--data`` is rendered (bridge_ext.training sets the root then).
 UNRENDERED_SFT_ROOT = "<rendered from --data at launch>"
 
 
