@@ -73,7 +73,7 @@ def build(out: Path, *, layers: int, hidden: int, dtype: str, shard_bytes: int) 
     sys.path.insert(0, str(REPO / "tests"))
     import hf_fixtures
 
-    from bridge_ext.convert.hf_dir import expected_hf_tensors
+    from bridge_ext.hf.directory import expected_hf_tensors
     from bridge_ext.hf import load_hf_config
 
     out.mkdir(parents=True)

@@ -5,7 +5,7 @@ A family is one ``model_type``. Its numbers (layers, attention kind, experts, ..
 
 - ``hf_architecture``: the ``architectures`` entry its checkpoints carry. Megatron Bridge's ``AutoBridge``
   picks its bridge by this class name (``auto_bridge.py``), so conversion accepts a directory only when its
-  ``(architectures, model_type)`` pair is a family here (``bridge_ext.convert.hf_dir``);
+  ``(architectures, model_type)`` pair is a family here (``bridge_ext.hf.directory``);
 - ``transformers_model_type``: the transformers ``model_type`` that builds its config without remote code.
   A config that names its own code in ``auto_map`` with a ``model_type`` transformers does not know (Kimi K2's
   ``kimi_k2``, code in ``configuration_deepseek.py``) is built as that type's config

@@ -459,7 +459,7 @@ def test_fp8_dequantization_matches_block_layout():
 # and its save_pretrained(save_original_format=False) writes them so. Under transformers 4 the fused fixture is
 # stacked by tests/hf_fixtures.py; under 5 transformers writes it.
 def test_expert_layout_names_and_shapes():
-    from bridge_ext.convert.expert_layout import expert_layout, fused_shapes, per_expert_shapes, per_expert_views
+    from bridge_ext.hf.expert_layout import expert_layout, fused_shapes, per_expert_shapes, per_expert_views
 
     fused = {"model.layers.0.mlp.gate.weight": (2, 8), "model.layers.0.mlp.experts.gate_up_proj": (2, 6, 8),
              "model.layers.0.mlp.experts.down_proj": (2, 8, 3), "model.norm.weight": (8,)}
@@ -482,7 +482,7 @@ def test_expert_layout_names_and_shapes():
 def test_fused_and_per_expert_checkpoints_hold_the_same_experts(tmp_path):
     import torch
 
-    from bridge_ext.convert.hf_read import HFTensorReader
+    from bridge_ext.hf.read import HFTensorReader
 
     released = hf_fixtures.qwen3_moe_dir(tmp_path / "released", shard_bytes=100_000)
     fused = hf_fixtures.qwen3_moe_dir(tmp_path / "fused", shard_bytes=100_000, expert_layout="fused")

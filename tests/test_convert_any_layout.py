@@ -54,7 +54,7 @@ def _stored_chunk_counts(iter_dir: Path) -> dict[str, int]:
 @pytest.mark.heavy  # every stack: tests/test_layout_matrix.py streams the same layouts' checkpoints (CI's budget)
 @pytest.mark.once  # CI: 26.02 only (the matrix's exports run on every stack)
 def test_checkpoints_saved_in_other_layouts_stream_export_as_the_model_built_export(nemo, tmp_path):
-    from bridge_ext.convert.stream.torch_dist import TorchDistChunks
+    from bridge_ext.checkpoints.torch_dist import TorchDistChunks
 
     runs = _train_all(tmp_path)
     for name, run in runs.items():

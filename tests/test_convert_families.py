@@ -17,7 +17,7 @@ import pytest
 
 import hf_fixtures
 from bridge_ext.convert import export_hf, import_hf, inspect_hf_dir
-from bridge_ext.convert.hf_dir import architecture_of, config_from_dir
+from bridge_ext.hf.directory import architecture_of, config_from_dir
 from bridge_ext.convert.megatron_ckpt import provider_fields
 from bridge_ext.errors import UserError
 from bridge_ext.hf import load_hf_config

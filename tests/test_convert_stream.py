@@ -106,7 +106,7 @@ def test_streamed_export_equals_the_model_built_export_and_the_source(both_ways,
     if name != "kimi_k2_fp8":  # fp8 weights come back dequantized (test_convert checks the values)
         source = load_safetensors(run["hf"])
         if name == "qwen3_moe_fused":  # exported per expert, as released checkpoints hold them
-            from bridge_ext.convert.expert_layout import fused_shapes
+            from bridge_ext.hf.expert_layout import fused_shapes
 
             assert sorted(fused_shapes({k: tuple(v.shape) for k, v in streamed.items()})) == sorted(source)
         else:
@@ -138,7 +138,7 @@ def test_fused_expert_views_read_by_byte_range_equal_safetensors_slices(tmp_path
     import torch
     from safetensors import safe_open
 
-    from bridge_ext.convert.hf_dir import inspect_hf_dir
+    from bridge_ext.hf.directory import inspect_hf_dir
     from bridge_ext.convert.stream.hf_io import HFByteReader
 
     hf = hf_fixtures.qwen3_moe_dir(tmp_path / "fused", shard_bytes=100_000, expert_layout="fused")

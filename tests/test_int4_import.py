@@ -27,7 +27,7 @@ def test_unpacking_follows_the_published_bit_layout():
     -> nibbles 9, 10, 0, 15, 8, 8, 8, 8 -> 0x8888F0A9, typed in by hand; a 9th value starts a zero-padded word."""
     import torch
 
-    from bridge_ext.convert.int4 import dequantize_int4, unpack_int4
+    from bridge_ext.hf.int4 import dequantize_int4, unpack_int4
 
     q = torch.tensor([[1, 2, -8, 7, 0, 0, 0, 0, 3]], dtype=torch.int8)
     word = 0x8888F0A9 - 2**32  # as int32
@@ -54,7 +54,7 @@ def release(tmp_path_factory):
 @pytest.mark.stack
 @pytest.mark.slow
 def test_every_dequantized_matrix_equals_the_bf16_source(release):
-    from bridge_ext.convert.hf_read import HFTensorReader
+    from bridge_ext.hf.read import HFTensorReader
 
     source = inspect_hf_dir(release["hf"])
     assert source.int4.group_size == 32 and source.dtype == "bfloat16" and source.expert_layout == "per_expert"
@@ -110,7 +110,7 @@ def test_logits_equal_transformers_on_the_unquantized_source_and_export_is_plain
 def test_wrong_nibble_order_gives_different_matrices(tmp_path):
     """Packed high nibble first (the reverse of the format): every dequantized matrix differs from the bf16 source,
     so a reader with the wrong order could not pass the test above."""
-    from bridge_ext.convert.hf_read import HFTensorReader
+    from bridge_ext.hf.read import HFTensorReader
 
     hf = hf_fixtures.kimi_k2_thinking_int4_dir(tmp_path / "hf", reference=tmp_path / "ref", nibble_order="high_first")
     source = inspect_hf_dir(hf)
@@ -139,7 +139,7 @@ def test_a_group_size_that_fits_the_shapes_but_not_the_scales_gives_different_ma
     scales made per 16 columns, read as per 32, give another matrix."""
     import torch
 
-    from bridge_ext.convert.int4 import dequantize_int4, unpack_int4
+    from bridge_ext.hf.int4 import dequantize_int4, unpack_int4
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 64, generator=generator)

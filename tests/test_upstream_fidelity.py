@@ -90,7 +90,7 @@ ALLOWED: dict[str, dict[str, str]] = {
                            "recipe builds through the DeepSeek-V3 bridge, which takes config.json's "
                            "initializer_range 0.02",
         "moe_aux_loss_coeff": "ours config.json's aux_loss_alpha 0.001 (MB 0.3's KimiK2Provider too); MB 0.4+'s "
-                              "recipe gets the DeepSeek-V3 bridge's hard-coded 1e-4 (bridge_ext/hf.py)",
+                              "recipe gets the DeepSeek-V3 bridge's hard-coded 1e-4 (bridge_ext/hf/config.py)",
         "_target_": "MB's recipe constructs KimiK2Provider by hand; ours comes from the shipped config.json "
                     "through AutoBridge's DeepSeek-V3 bridge (MLAModelProvider on 0.3.1, DeepSeekV3ModelProvider "
                     "on 0.3.0); their fields are what this test compares",
@@ -98,7 +98,7 @@ ALLOWED: dict[str, dict[str, str]] = {
                    "Muon without it",
         "log_max_attention_logit": "MuonClip needs the per-head max logit measured; MB's recipe does not clip",
         "num_query_groups": "MLA has no query groups: MB's KimiK2Provider leaves None (one per head after "
-                            "finalize()); ours applies the config's num_key_value_heads 64 (bridge_ext/hf.py), "
+                            "finalize()); ours applies the config's num_key_value_heads 64 (bridge_ext/hf/config.py), "
                             "the same 64",
         "mtp_loss_scaling_factor": "unused: neither has multi-token-prediction layers (mtp_num_layers None)",
         "max_position_embeddings": "a KimiK2Provider field the generic MLAModelProvider does not have (MB "

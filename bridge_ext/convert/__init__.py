@@ -23,36 +23,35 @@ its per-model mappings; what this module adds:
   import's ``hf_source/``, the run's ``hf_model_id`` or the matching shipped recipe config; optimizer state
   is never read; weights load without Megatron Core's gate/up merge copies.
 * Kimi K2 / DeepSeek-V3 fp8 releases (e4m3 + 128x128 ``weight_scale_inv``) are dequantized on import; so is
-  Kimi-K2-Thinking's int4 (compressed-tensors ``pack-quantized``, :mod:`~bridge_ext.convert.int4`).
+  Kimi-K2-Thinking's int4 (compressed-tensors ``pack-quantized``, :mod:`~bridge_ext.hf.int4`).
 
 
-Parts: :mod:`~bridge_ext.convert.hf_dir` (reading and validating HF directories),
-:mod:`~bridge_ext.convert.megatron_ckpt` (finding and reading Megatron checkpoints),
+Parts: :mod:`~bridge_ext.convert.megatron_ckpt` (finding and reading Megatron checkpoints),
 :mod:`~bridge_ext.convert.staging` (staged, atomic output), :mod:`~bridge_ext.convert.parallel` (process group
 and parallel state), :mod:`~bridge_ext.convert.model` (building the Megatron side; SequentialMLP experts in
 Megatron Bridge's mappings: ``bridge_ext.patches.conversion``),
-:mod:`~bridge_ext.convert.fp8`, :mod:`~bridge_ext.convert.int4`, :mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron`
-(import), :mod:`~bridge_ext.convert.megatron_to_hf` (export), :mod:`~bridge_ext.convert.report` (summary and
+:mod:`~bridge_ext.convert.verify`, :mod:`~bridge_ext.convert.hf_to_megatron` (import), :mod:`~bridge_ext.convert.megatron_to_hf` (export), :mod:`~bridge_ext.convert.report` (summary and
 progress) and :mod:`~bridge_ext.convert.cli` (the commands on the console; their options:
-``bridge_ext.commands.hf_import`` / ``hf_export``).
+``bridge_ext.commands.hf_import`` / ``hf_export``). Reading and validating HF directories (and their fp8 /
+int4 releases) is :mod:`bridge_ext.hf`; this package re-exports the names the commands use.
 """
 
 from __future__ import annotations
 
 from bridge_ext.convert.cli import run_export, run_import
-from bridge_ext.convert.fp8 import dequantize_fp8
-from bridge_ext.convert.hf_dir import (
+from bridge_ext.convert.hf_to_megatron import import_hf
+from bridge_ext.convert.megatron_ckpt import find_iteration
+from bridge_ext.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, export_hf
+from bridge_ext.convert.report import ConversionSummary
+from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
+from bridge_ext.hf.directory import (
     HF_SOURCE_DIR,
     HFSource,
     inspect_hf_dir,
     read_safetensors_header,
     supported_architectures,
 )
-from bridge_ext.convert.hf_to_megatron import import_hf
-from bridge_ext.convert.megatron_ckpt import find_iteration
-from bridge_ext.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, export_hf
-from bridge_ext.convert.report import ConversionSummary
-from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_logits
+from bridge_ext.hf.fp8 import dequantize_fp8
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

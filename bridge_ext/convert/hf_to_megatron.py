@@ -8,15 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.fp8 import fp8_dequantizing
-from bridge_ext.convert.hf_dir import (
-    HFSource,
-    architecture_of,
-    hf_tokenizer_loadable,
-    inspect_hf_dir,
-    write_hf_source,
-)
-from bridge_ext.convert.hf_read import per_expert_state
 from bridge_ext.convert.model import ConfigSource, bridge_for, build_model, model_param_names, prepare_runtime
 from bridge_ext.convert.parallel import check_layout, is_rank0, process_group, union_over_ranks
 from bridge_ext.convert.report import ConversionSummary, TensorProgress, human_bytes, record_source_use, say_on_rank0
@@ -24,6 +15,15 @@ from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, import_streaming
 from bridge_ext.convert.verify import VERIFY_TOLERANCE, verify_import
 from bridge_ext.errors import UserError
+from bridge_ext.hf.directory import (
+    HFSource,
+    architecture_of,
+    hf_tokenizer_loadable,
+    inspect_hf_dir,
+    write_hf_source,
+)
+from bridge_ext.hf.fp8 import fp8_dequantizing
+from bridge_ext.hf.read import per_expert_state
 
 __all__ = ['import_hf']
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext import checkpoints
-from bridge_ext.convert.hf_dir import HF_SOURCE_DIR
 from bridge_ext.errors import UserError
+from bridge_ext.hf.directory import HF_SOURCE_DIR
 from recipes.architecture import Architecture
 
 __all__ = ["cause_line", "checkpoint_param_dtype", "find_iteration", "hf_source_for_checkpoint",

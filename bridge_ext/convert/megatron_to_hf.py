@@ -12,18 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.hf_dir import (
-    CONVERSION_RECORD,
-    FLOAT_ST,
-    SAFETENSORS_DTYPES,
-    TORCH_TO_ST,
-    architecture_of,
-    config_from_dir,
-    copy_side_files,
-    expected_hf_tensors,
-    inspect_hf_dir,
-)
-from bridge_ext.convert.expert_layout import fused_name
 from bridge_ext.convert.megatron_ckpt import (
     cause_line,
     checkpoint_param_dtype,
@@ -38,6 +26,18 @@ from bridge_ext.convert.report import ConversionSummary, TensorProgress, say_on_
 from bridge_ext.convert.staging import check_target, staged_output
 from bridge_ext.convert.stream import DEFAULT_THREADS, NeedsModel, export_streaming_into, missing_stored_file
 from bridge_ext.errors import UserError
+from bridge_ext.hf.directory import (
+    CONVERSION_RECORD,
+    FLOAT_ST,
+    SAFETENSORS_DTYPES,
+    TORCH_TO_ST,
+    architecture_of,
+    config_from_dir,
+    copy_side_files,
+    expected_hf_tensors,
+    inspect_hf_dir,
+)
+from bridge_ext.hf.expert_layout import fused_name
 
 __all__ = ['DEFAULT_SHARD_BYTES', 'export_hf']
 
@@ -156,7 +156,7 @@ def _export_config_json(hf_source: Path, dest: Path, *, dtype: str) -> list[str]
 
 def _export_plan(config: Any, *, dtype: str, source_dtypes: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """What the export writes: the architecture's tensors, routed experts one by one as released checkpoints hold
-    them (:mod:`~bridge_ext.convert.expert_layout`: transformers 4 and 5 load it, and Megatron Bridge's mappings
+    them (:mod:`~bridge_ext.hf.expert_layout`: transformers 4 and 5 load it, and Megatron Bridge's mappings
     name it), each in the dtype the import's source stored it in (a fused source: its fused tensor's)."""
     expected = expected_hf_tensors(config)
     code = TORCH_TO_ST[dtype]

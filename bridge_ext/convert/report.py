@@ -62,7 +62,7 @@ def shard_totals(tensors: Iterable[tuple[str, int]]) -> list[tuple[str, int, int
 
 def record_source_use(summary: ConversionSummary, source: Any, used: set[str]) -> None:
     """An import's totals from the HF tensors it read (``used``, over all ranks): tensors, bytes, per source shard,
-    and a note naming what the architecture left unread. ``source``: ``bridge_ext.convert.hf_dir.HFSource``."""
+    and a note naming what the architecture left unread. ``source``: ``bridge_ext.hf.directory.HFSource``."""
     infos = [source.tensors[name] for name in used]
     summary.tensors, summary.bytes = len(infos), sum(info.nbytes for info in infos)
     summary.shards = shard_totals((info.file, info.nbytes) for info in infos)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.expert_layout import assemble, expert_layout
-from bridge_ext.convert.hf_dir import HFSource, model_tensor_shapes, inspect_hf_dir
-from bridge_ext.convert.hf_read import HFTensorReader
 from bridge_ext.convert.megatron_ckpt import find_iteration, load_model_weights
 from bridge_ext.convert.model import bridge_for, build_model, prepare_runtime
 from bridge_ext.convert.parallel import process_group
 from bridge_ext.convert.report import say_on_rank0
 from bridge_ext.errors import UserError
+from bridge_ext.hf.directory import HFSource, model_tensor_shapes, inspect_hf_dir
+from bridge_ext.hf.expert_layout import assemble, expert_layout
+from bridge_ext.hf.read import HFTensorReader
 
 __all__ = ['VERIFY_TOLERANCE', 'verify_import', 'verify_logits']
 
@@ -71,7 +71,7 @@ def _hf_reference_model(source: HFSource) -> Any:
     wherever it can: a per-expert checkpoint under any transformers (5 fuses experts on load), a fused one where
     the installed model is fused too. fp8 and int4 sources (transformers would quantize on load) and fused
     checkpoints under a per-expert transformers are read here: dequantized like the import, experts assembled to
-    the installed model's layout (:mod:`~bridge_ext.convert.expert_layout`)."""
+    the installed model's layout (:mod:`~bridge_ext.hf.expert_layout`)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -20,8 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.checkpoints.torch_dist import TorchDistChunks
 from bridge_ext.convert.stream.skeleton import NeedsModel, Skeleton, build_skeleton
-from bridge_ext.convert.stream.torch_dist import Chunk, TorchDistChunks, plan_chunks
+from bridge_ext.convert.stream.torch_dist import Chunk, plan_chunks
 from bridge_ext.errors import UserError
 
 __all__ = ["export_streaming_into"]

@@ -4,7 +4,7 @@ building the model (``nemo llm import``'s default path).
 Per Megatron parameter, in the skeleton's order (:mod:`~bridge_ext.convert.stream.skeleton`): its HF tensors are
 read by byte range (:mod:`~bridge_ext.convert.stream.hf_io`), passed through Megatron Bridge's own load hook
 (``maybe_modify_loaded_hf_weight``: fp8 dequantization in 0.6's DeepSeek-V3 bridge) and, for fp8 releases, our
-dequantization (:func:`bridge_ext.convert.fp8.fp8_dequantizing`), converted by the parameter's mapping
+dequantization (:func:`bridge_ext.hf.fp8.fp8_dequantizing`), converted by the parameter's mapping
 (``mapping.hf_to_megatron``: QKV interleaving, gate|up, MLA, experts), cast to the parameter's dtype (what
 ``param.copy_`` does on the model-building path) and written as the chunks megatron-core stores it in
 (:mod:`~bridge_ext.convert.stream.torch_dist`). Memory: one parameter per writer thread, plus its HF inputs.
@@ -77,7 +77,7 @@ class _Converter:
     """``produce(owner)``: one Megatron parameter's full value from the HF checkpoint; counts what it read."""
 
     def __init__(self, skeleton: Skeleton, source: Any, reader: HFByteReader, *, progress: Any):
-        from bridge_ext.convert.fp8 import fp8_dequantizing
+        from bridge_ext.hf.fp8 import fp8_dequantizing
 
         self.skeleton = skeleton
         self.source = source
@@ -146,8 +146,8 @@ def import_streaming(
     import torch
     from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
 
-    from bridge_ext.convert.hf_dir import hf_tokenizer_loadable, write_hf_source
-    from bridge_ext.convert.hf_read import per_expert_state
+    from bridge_ext.hf.directory import hf_tokenizer_loadable, write_hf_source
+    from bridge_ext.hf.read import per_expert_state
     from bridge_ext.convert.model import ConfigSource
     from bridge_ext.convert.parallel import is_rank0, process_group, union_over_ranks
     from bridge_ext.convert.report import TensorProgress, record_source_use

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.convert.hf_dir import HFSource
+from bridge_ext.hf.directory import HFSource
 
 __all__ = ["dequantize_fp8", "fp8_dequantizing"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge_ext.convert.fp8 import dequantize_fp8
-from bridge_ext.convert.hf_dir import HFSource
-from bridge_ext.convert.int4 import read_int4
+from bridge_ext.hf.directory import HFSource
+from bridge_ext.hf.fp8 import dequantize_fp8
+from bridge_ext.hf.int4 import read_int4
 
 __all__ = ["HFTensorReader", "per_expert_state"]
 
@@ -25,8 +25,8 @@ class _Names(list):
 class HFTensorReader:
     """Tensors of ``source`` by stored name or, for fused checkpoints, by per-expert name (one expert's rows
     are read from the fused tensor, never the whole of it). ``dequantize``: fp8 weights with block scales come
-    back as bf16 (:func:`~bridge_ext.convert.fp8.dequantize_fp8`); int4 weights always come back dequantized
-(:mod:`~bridge_ext.convert.int4`)."""
+    back as bf16 (:func:`~bridge_ext.hf.fp8.dequantize_fp8`); int4 weights always come back dequantized
+(:mod:`~bridge_ext.hf.int4`)."""
 
     def __init__(self, source: HFSource, *, dequantize: bool = False):
         self.source = source

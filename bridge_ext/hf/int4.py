@@ -1,5 +1,5 @@
 """INT4 releases in compressed-tensors' ``pack-quantized`` format (Kimi-K2-Thinking's routed experts): dequantized
-to the checkpoint's float dtype on import, like the fp8 releases (:mod:`bridge_ext.convert.fp8`).
+to the checkpoint's float dtype on import, like the fp8 releases (:mod:`bridge_ext.hf.fp8`).
 
 The format (compressed-tensors ``compressors/quantized_compressors/pack_quantized.py``, ``pack_to_int32`` /
 ``unpack_from_int32``; transformers' compressed-tensors docs): a quantized ``Linear`` ``X`` stores, instead of

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.convert.expert_layout import (
+from bridge_ext.errors import UserError
+from bridge_ext.hf.expert_layout import (
     ExpertLayout,
     ExpertSlice,
     expert_layout,
@@ -19,9 +20,8 @@ from bridge_ext.convert.expert_layout import (
     per_expert_shapes,
     per_expert_views,
 )
-from bridge_ext.convert.int4 import COMPANIONS as INT4_COMPANIONS
-from bridge_ext.convert.int4 import Int4Scheme, int4_scheme, int4_weights
-from bridge_ext.errors import UserError
+from bridge_ext.hf.int4 import COMPANIONS as INT4_COMPANIONS
+from bridge_ext.hf.int4 import Int4Scheme, int4_scheme, int4_weights
 from recipes.architecture import Architecture
 from recipes.families import FAMILIES, ModelFamily, families_of_architecture, family
 
@@ -86,10 +86,10 @@ class HFSource:
     dtype: str  # the weights' dtype as a torch dtype name ("bfloat16", ...)
     fp8: bool = False  # block-quantized fp8 weights with *_scale_inv tensors (dequantized on import)
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
-    expert_layout: ExpertLayout = "none"  # routed experts stored per expert or fused (bridge_ext.convert.expert_layout)
+    expert_layout: ExpertLayout = "none"  # routed experts stored per expert or fused (bridge_ext.hf.expert_layout)
     # Per-expert name -> its place in a fused tensor (fused checkpoints only): what conversion reads.
     expert_views: dict[str, ExpertSlice] = field(default_factory=dict)
-    # compressed-tensors int4 (bridge_ext.convert.int4): ``X.weight`` -> its unpacked shape, read dequantized from
+    # compressed-tensors int4 (bridge_ext.hf.int4): ``X.weight`` -> its unpacked shape, read dequantized from
     # ``X.weight_packed`` / ``weight_scale`` / ``weight_shape``
     int4: Int4Scheme | None = None
     int4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -172,7 +172,7 @@ def expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
 
     From the installed transformers' model, built on the meta device; where that model fuses expert weights
     (transformers 5) they are listed as the per-expert tensors of released checkpoints
-    (:mod:`~bridge_ext.convert.expert_layout`), so the list is the same under every transformers.
+    (:mod:`~bridge_ext.hf.expert_layout`), so the list is the same under every transformers.
     """
     return per_expert_shapes(model_tensor_shapes(config))
 
@@ -232,7 +232,7 @@ def architecture_of(config: Any, raw: dict[str, Any]) -> Architecture:
 
 def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     """Validate a Hugging Face checkpoint directory; raise :class:`UserError` naming the first problem."""
-    from bridge_ext.hf import load_hf_config
+    from bridge_ext.hf.config import load_hf_config
 
     path = Path(path)
     if not path.exists():
@@ -424,7 +424,7 @@ def hf_tokenizer_loadable(path: Path) -> bool:
 
 def config_from_dir(path: Path) -> tuple[Any, ModelFamily, dict[str, Any]]:
     """Config, family and raw dict of a config-only directory (no weights to validate)."""
-    from bridge_ext.hf import load_hf_config
+    from bridge_ext.hf.config import load_hf_config
 
     try:
         raw = json.loads((path / "config.json").read_text())
