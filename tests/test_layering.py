@@ -4,7 +4,10 @@
 - no module of ours imports a private name (leading underscore) of another of our modules, by
   ``from x import _y`` or as ``module._y`` through an imported module;
 - no module loads one of our own modules by ``importlib.import_module`` / ``__import__`` (the import graph
-  could not see it).
+  could not see it);
+- the house (docs/architecture.md): no import cycle between rooms, at most 9 floors, no room over 15 % of the lines;
+- no module outside ``bridge_ext/muon/`` holds Muon state; ``bridge_ext/patches`` imports only upstream code, the
+  mechanism and what its rows wire in, which import nothing of ``bridge_ext.patches``.
 
 Tests are excluded: they may reach into private names.
 """
@@ -367,3 +370,180 @@ def test_the_muon_and_patches_checks_see_what_they_look_for(tmp_path):
         "bridge_ext/muon/split.py:1 imports bridge_ext.patches",
         "bridge_ext/muon/split.py:2 imports bridge_ext.patches.optimizer",
         f"bridge_ext/muon/split.py:{lines} imports bridge_ext.patches"]
+
+
+# --- the house: rooms, floors, sizes ------------------------------------------------------------------------------
+#
+# A room is ``recipes``, or one top-level module or sub-package of ``bridge_ext`` (its ``__init__.py``: the room
+# ``bridge_ext``); an edge is any import (at any depth: function-level imports count) from one room to another; the
+# floors are the rooms of the longest chain once the rooms of a cycle are taken as one (docs/architecture.md).
+
+MAX_FLOORS = 9
+MAX_ROOM_SHARE = 0.15
+
+
+def _room(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[0] == "recipes":
+        return "recipes"
+    return "bridge_ext" if parts[1:] == ("__init__",) else f"bridge_ext.{parts[1]}"
+
+
+def _room_of_module(root: Path, dotted: str) -> str | None:
+    """The room an imported module (or ``module.name``) is in; None for anything not ours."""
+    parts = dotted.split(".")
+    if parts[0] == "recipes":
+        return "recipes"
+    if parts[0] != "bridge_ext":
+        return None
+    if len(parts) > 1 and _is_module(root, f"bridge_ext.{parts[1]}"):
+        return f"bridge_ext.{parts[1]}"
+    return "bridge_ext"  # a name of bridge_ext/__init__.py
+
+
+def house(root: Path) -> tuple[dict[str, int], dict[str, set[str]]]:
+    """``({room: lines}, {room: rooms it imports})`` of the packages under ``root`` (tests/ not counted)."""
+    lines: dict[str, int] = {}
+    edges: dict[str, set[str]] = {}
+    for path in _sources(root, *OURS):
+        room, text = _room(root, path), path.read_text()
+        lines[room] = lines.get(room, 0) + len(text.splitlines())
+        targets = edges.setdefault(room, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = _absolute(root, node, path)
+                # ``from bridge_ext import patches`` reads the module bridge_ext.patches, not bridge_ext/__init__
+                subs = [f"{module}.{alias.name}" for alias in node.names] if module else []
+                found = [sub for sub in subs if _is_module(root, sub) or root.joinpath(*sub.split(".")).is_dir()]
+                modules = found if subs and len(found) == len(subs) else [m for m in (module, *found) if m]
+            else:
+                continue
+            targets.update(r for m in modules if (r := _room_of_module(root, m)) not in (None, room))
+    return lines, {room: {t for t in targets if t in lines} for room, targets in edges.items()}
+
+
+def _components(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components (Tarjan), each sorted; a room on no cycle is one of its own."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(room: str) -> None:
+        index[room] = low[room] = len(index)
+        stack.append(room)
+        for other in sorted(edges[room]):
+            if other not in index:
+                visit(other)
+                low[room] = min(low[room], low[other])
+            elif other in stack:
+                low[room] = min(low[room], index[other])
+        if low[room] == index[room]:
+            component = []
+            while not component or component[-1] != room:
+                component.append(stack.pop())
+            out.append(sorted(component))
+
+    for room in sorted(edges):
+        if room not in index:
+            visit(room)
+    return out
+
+
+def room_cycles(edges: dict[str, set[str]]) -> list[str]:
+    """One import cycle per group of rooms that import each other, named room by room: ``a -> b -> a``."""
+    found = []
+    for component in _components(edges):
+        if len(component) < 2:
+            continue
+        inside = set(component)
+        trail = [component[0]]
+        while True:  # walk inside the component until a room comes back: that loop is a cycle
+            nxt = min(edges[trail[-1]] & inside)
+            if nxt in trail:
+                loop = trail[trail.index(nxt):] + [nxt]
+                break
+            trail.append(nxt)
+        found.append(" -> ".join(loop) + f" (rooms on cycles with each other: {', '.join(component)})")
+    return found
+
+
+def longest_chain(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The floors: the longest chain of imports, top to bottom, the rooms of a cycle counted as one floor."""
+    components = _components(edges)
+    of = {room: n for n, component in enumerate(components) for room in component}
+    below: dict[int, list[list[str]]] = {}
+    for n, component in enumerate(components):  # Tarjan gives the ones a component imports first
+        chains = [below[of[other]] for room in component for other in edges[room] if of[other] != n]
+        below[n] = [component, *max(chains, key=len, default=[])]
+    return max(below.values(), key=len, default=[])
+
+
+def large_rooms(lines: dict[str, int]) -> list[str]:
+    total = sum(lines.values())
+    return [f"{room} holds {count / total:.1%} of the lines ({count} of {total}; at most {MAX_ROOM_SHARE:.0%})"
+            for room, count in sorted(lines.items()) if count > MAX_ROOM_SHARE * total]
+
+
+def test_no_import_cycle_between_rooms():
+    _, edges = house(REPO)
+    found = room_cycles(edges)
+    assert not found, "\n".join(found)
+
+
+def test_the_house_has_at_most_nine_floors():
+    chain = longest_chain(house(REPO)[1])
+    assert len(chain) <= MAX_FLOORS, f"{len(chain)} floors: " + " -> ".join("{" + ", ".join(c) + "}" if len(c) > 1
+                                                                           else c[0] for c in chain)
+
+
+def test_no_room_holds_more_than_15_percent_of_the_lines():
+    found = large_rooms(house(REPO)[0])
+    assert not found, "\n".join(found)
+
+
+def test_the_house_checks_see_what_they_look_for(tmp_path):
+    """A planted house: a chain of 11 rooms (function-level and ``from bridge_ext import x`` imports), a cycle between
+    two packages, one room with most of the lines; and the repository's own house with a cycle planted into it."""
+    import shutil
+
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "__init__.py").write_text("X = 1\n")
+    package = tmp_path / "bridge_ext"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for n in range(10):  # m0 -> m1 -> ... -> m9 -> recipes, each way of importing once
+        imports = ["def f():\n    from bridge_ext import m{}\n", "import bridge_ext.m{}.inner\n",
+                   "from bridge_ext.m{} import name\n", "from . import m{}\n"][n % 4].format(n + 1)
+        if n == 9:
+            imports = "from recipes import X\n"
+        (package / f"m{n}.py").write_text(imports)
+    (package / "m2").mkdir()  # m1 imports bridge_ext.m2.inner: m2 is a package room
+    (package / "m2.py").rename(package / "m2" / "__init__.py")
+    (package / "m2" / "inner.py").write_text("")
+    (package / "m6").mkdir()
+    (package / "m6.py").rename(package / "m6" / "__init__.py")
+    (package / "m6" / "inner.py").write_text("")
+    for name, other in (("x", "y"), ("y", "x")):
+        (package / name).mkdir()
+        (package / name / "__init__.py").write_text(f"def f():\n    from bridge_ext.{other}.z import g\n")
+        (package / name / "z.py").write_text("\n" * 2000)
+    lines, edges = house(tmp_path)
+    assert edges["bridge_ext.m3"] == {"bridge_ext.m4"} and edges["bridge_ext.m1"] == {"bridge_ext.m2"}
+    assert room_cycles(edges) == ["bridge_ext.x -> bridge_ext.y -> bridge_ext.x "
+                                  "(rooms on cycles with each other: bridge_ext.x, bridge_ext.y)"]
+    assert longest_chain(edges) == [[f"bridge_ext.m{n}"] for n in range(10)] + [["recipes"]]
+    assert [line.split(" holds")[0] for line in large_rooms(lines)] == ["bridge_ext.x", "bridge_ext.y"]
+
+    for name in OURS:
+        shutil.copytree(REPO / name, tmp_path / "repo" / name, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
+    copy = tmp_path / "repo"
+    assert room_cycles(house(copy)[1]) == []
+    stack = copy / "bridge_ext" / "stack.py"  # the ground floor reaching up to the recipe pipeline
+    stack.write_text(stack.read_text() + "\ndef planted():\n    from bridge_ext.build import resolve\n")
+    found = room_cycles(house(copy)[1])
+    assert len(found) == 1 and "bridge_ext.build" in found[0] and "bridge_ext.stack" in found[0], found
+    cycle_below = {"w": {"x"}, "x": {"y"}, "y": {"x", "z"}, "z": set()}  # the rooms of a cycle are one floor
+    assert longest_chain(cycle_below) == [["w"], ["x", "y"], ["z"]]
