@@ -4,7 +4,7 @@ building the model (``nemo llm export``'s default path).
 The skeleton (:mod:`~bridge_ext.convert.stream.skeleton`) is built for the checkpoint's HF config; its sharded
 state dict -- made with the checkpoint's own content metadata (``load_content_metadata``: e.g. how experts are
 keyed), as megatron-core's loader makes it -- says which stored chunks hold each parameter. Each parameter is
-assembled from its chunks (:class:`~bridge_ext.convert.stream.torch_dist.TorchDistChunks`) and handed to Megatron
+assembled from its chunks (:class:`~bridge_ext.checkpoints.torch_dist.TorchDistChunks`) and handed to Megatron
 Bridge's own export loop, ``stream_weights_megatron_to_hf`` with ``conversion_tasks`` whose ``param_weight`` is
 that value (the loop reads ``task.param_weight``; with no progress bar it iterates the tasks lazily): the
 mappings' ``megatron_to_hf`` (QKV split, gate|up split, MLA, experts), the bridge's
