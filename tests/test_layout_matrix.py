@@ -22,7 +22,9 @@ How it stays cheap (CI runs this on every stack):
 - One ``torchrun`` launch per process count for all families (tests/layout_matrix_driver.py): 4 processes
   (``cpu-tp2-ep2``), then 2 (every 2-process layout, then the ``--tp/--pp/--ep`` exports), then this process.
 - The pairs most users hit, into one process: TP2 -> 1, TP2 x EP2 -> 1, PP2 -> 1 (DP2 -> 1 is in the cycle),
-  and AdamW's distributed optimizer DP2 -> 1.
+  and AdamW's distributed optimizer DP2 -> 1 (refused in one line; its checkpoint exports).
+- Kimi K2's TP2 x EP2 checkpoint: the layout is in the files (2 stored chunks per query projection), and random
+  regions the streaming reader reads across chunk borders equal torch's own DCP -> torch.save conversion.
 - ``heavy`` (26.02 and newest only): every other ordered pair of shipped layouts, per family.
 
 Expected values come from the reference (the one-process run: a second computation of the same steps) and from
@@ -261,6 +263,44 @@ def check_exports(here: dict, distributed: dict) -> None:
             assert_bit_identical(load_safetensors(out), want, f"{case}: export {sizes} on 2 processes")
 
 
+def check_stored_chunks(root: Path, step: int, *, tp: int) -> None:
+    """The layout is really in the files (a TP-sharded query projection is stored as ``tp`` chunks per layer),
+    and any region the streaming reader reads, across stored chunk borders, equals that part of the global tensor
+    torch's own DCP -> torch.save converter makes of the same files (tests/ckpt_io.py)."""
+    import re
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from bridge_ext.checkpoints.torch_dist import TorchDistChunks
+    from ckpt_io import read_global_tensors
+
+    iter_dir = root / f"iter_{step:07d}"
+    chunks = TorchDistChunks(iter_dir)
+    try:
+        meta = FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata
+        query = [k for k in meta if k.endswith(("linear_qkv.weight", "linear_q_proj.weight", "linear_q_up_proj.weight"))]
+        assert query, sorted(meta)
+        for key in query:
+            layers = 1 if re.search(r"\.layers\.\d+\.", key) else chunks.global_shape(key)[0]
+            assert len(meta[key].chunks) == layers * tp, (key, len(meta[key].chunks))
+        whole = {k: v for k, v in read_global_tensors(iter_dir).items() if not k.startswith("optimizer")}
+        generator, checked = torch.Generator().manual_seed(0), 0
+        for key, tensor in whole.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                continue
+            for _ in range(3):
+                lo = [int(torch.randint(0, n, (), generator=generator)) for n in tensor.shape]
+                size = tuple(int(torch.randint(1, n - o + 1, (), generator=generator)) for n, o in zip(tensor.shape, lo))
+                region = chunks.read_region(key, tuple(lo), size)
+                want = tensor[tuple(slice(o, o + s) for o, s in zip(lo, size))]
+                assert region.dtype == want.dtype and torch.equal(region, want), (key, lo, size)
+                checked += 1
+        assert checked > 100
+    finally:
+        chunks.close()
+
+
 def adamw_dp2_phases(tmp: Path) -> tuple[Phase, list[Phase], Phase]:
     """AdamW with megatron-core's distributed optimizer on DP2, trained 2 iterations from scratch (DP draws the
     one-process weights: the reference's losses); its checkpoint on one process, where CPU mode has no
@@ -319,6 +359,8 @@ def run_matrix(tmp: Path, families: list[str], *, every_pair: bool, adamw: bool,
     # the cycle's phases first (each launch in cycle order), the pairs after: their sources all exist by then
     _run(cycles + adamw_phases, plan, tmp, times)
     _run(extra, [], tmp, times)
+    if adamw:  # the distributed optimizer's checkpoint (optimizer state in per-bucket shards) exports too
+        saved["qwen3-adamw"] = {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}
     here = _export_here(saved, tmp, times) if exports else {}
     return Matrix(references, cycles + adamw_phases + extra, here, distributed, refused)
 
@@ -329,6 +371,9 @@ def _matrix(tmp: Path, families: list[str], *, every_pair: bool, nemo=None, expo
     with _Clock(times, "total"):
         done = run_matrix(tmp, families, every_pair=every_pair, adamw=nemo is not None, exports=exports, times=times)
     check_exports(done.exported_here, done.exported_on_two)
+    if "kimi_k2" in families and exports:  # the 4-process layout's checkpoint: experts and MLA in TP2 x EP2 chunks
+        saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
+        check_stored_chunks(saved.save, saved.iters, tp=2)
     if done.refused is not None:
         check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
