@@ -48,7 +48,7 @@ def recipe_config(name: str, *, layout: str | None = None, preset: str | None = 
     count. Returns the config itself (not the finalized copy validation makes): ``pretrain()`` validates it again.
     """
     from bridge_ext.build import resolve
-    from bridge_ext.overrides import split_part_selectors
+    from recipes import split_part_selectors
     from bridge_ext.runtime import launcher_world_size
 
     parts, rest = split_part_selectors(list(overrides))

@@ -26,11 +26,9 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["LAYOUT_KEYS", "PART_SELECTORS", "apply_user_overrides", "config_to_yaml", "layout_sizes", "load_yaml_file",
-           "override_key", "parse_overrides", "parse_value", "positive_int", "set_dotted", "split_override",
-           "split_part_selectors"]
+__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "config_to_yaml", "layout_sizes", "load_yaml_file",
+           "override_key", "parse_overrides", "parse_value", "positive_int", "set_dotted", "split_override"]
 
-PART_SELECTORS = ("preset", "layout")  # `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
 _OBJECT_KEYS = ("_call_", "_partial_", "_args_")
@@ -54,18 +52,6 @@ def split_override(item: str, *, example: str = "optimizer.lr=2e-4") -> tuple[st
     if not sep:
         raise UserError(f"override '{item}' is not of the form key=value (e.g. {example})")
     return key, text
-
-
-def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``({part: NAME}, the other overrides)`` for the :data:`PART_SELECTORS` among ``overrides``."""
-    parts, remaining = {}, []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in PART_SELECTORS:
-            parts[key] = value
-        else:
-            remaining.append(item)
-    return parts, remaining
 
 
 def parse_value(text: str) -> Any:

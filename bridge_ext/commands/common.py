@@ -92,7 +92,7 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
 
 def select_recipe(args: argparse.Namespace, get: Callable[[str], Any]) -> Any:
     """``args.recipe`` by ``get`` with its preset; ``preset=NAME`` / ``layout=NAME`` overrides move onto ``args``."""
-    from bridge_ext.overrides import split_part_selectors
+    from recipes import split_part_selectors
 
     parts, args.overrides = split_part_selectors(args.overrides)
     args.preset, args.layout = parts.get("preset", args.preset), parts.get("layout", args.layout)

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from bridge_ext.overrides import split_part_selectors
+from recipes import split_part_selectors
 
 __all__ = ["add_parser", "run"]
 
