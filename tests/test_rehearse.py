@@ -138,6 +138,24 @@ HAND = {
 }
 
 
+def _ns(rows: int, cols: int, steps: int = 5) -> int:
+    """Newton-Schulz FLOPs of one m x n matrix (m <= n): X X^T, b A + c A A, B X (tests/test_muon_plan.py)."""
+    m, n = sorted((rows, cols))
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+# Newton-Schulz FLOPs of one step by hand, the presets' muon_tp_mode=duplicated (emerging-optimizers'
+# newton_schulz_tp: every TP rank all-gathers the shards and orthogonalizes the WHOLE matrix). Qwen3-8B h100x8
+# (TP4, DP2): per layer Q 4096 x 4096, K and V 1024 x 4096 apart, proj 4096 x 4096, gate and up 12288 x 4096
+# apart, fc2 4096 x 12288; the layer-wise optimizer deals the 36 layers' matrices over the 2 DP ranks in equal
+# halves (ranks 0 and 4); embedding and output layer are Adam's.
+_QWEN3_8B_LAYER_NS = (2 * _ns(4096, 4096) + 2 * _ns(1024, 4096) + 2 * _ns(12288, 4096) + _ns(4096, 12288))
+HAND_NS = {
+    ("qwen3_8b", 0): 36 * _QWEN3_8B_LAYER_NS // 2,  # 337,455,580,446,720
+    ("qwen3_8b", 4): 36 * _QWEN3_8B_LAYER_NS // 2,
+}
+
+
 @pytest.mark.once
 def test_hand_counts_written_out():
     """The hand counts above as numbers (the rehearsal tables in docs/launch.md); Qwen3-30B-A3B's rank with the
@@ -148,24 +166,7 @@ def test_hand_counts_written_out():
     # x EP8 experts: Qwen3-30B-A3B's 30,532,122,624 parameters (config.json's sizes summed)
     assert HAND["qwen3_30b_a3b", 0][0] + 7 * HAND["qwen3_30b_a3b", 0][1] == 30_532_122_624
     assert HAND["qwen3_235b_a22b", 0][0] == 2_370_136_832
-
-
-def _as_planned(name: str, layout: str) -> Any:
-    """The recipe, with ``muon_tp_mode=blockwise`` where its layout has TP > 1: there plan's Newton-Schulz FLOPs
-    per rank (each rank its own shard) and the rehearsal's agree. For the presets' ``duplicated`` mode plan counts
-    the whole matrix on every TP rank (tests/test_muon_plan.py), which the rehearsal's count has not been
-    reconciled with (docs/cpu.md); memory is the same in both modes."""
-    import dataclasses
-
-    from recipes import get_recipe
-    from recipes.optimizers import derive
-
-    recipe = get_recipe(name)
-    if recipe.preset.kind != "muon" or recipe.layout(layout).tp == 1:
-        return recipe
-    blockwise = derive(recipe.preset, name=f"{recipe.preset.name}-blockwise", summary="", source="",
-                       optimizer={"muon_tp_mode": "blockwise"})
-    return dataclasses.replace(recipe, preset=blockwise)
+    assert HAND_NS["qwen3_8b", 0] == 337_455_580_446_720  # docs/launch.md: 3.375e14 (blockwise shards: 6.108e13)
 
 
 # Minutes each on a loaded 2-core machine (Qwen3-30B-A3B's rank holds 1,536 expert matrices: ~40,000 fake-tensor
@@ -187,11 +188,13 @@ def _as_planned(name: str, layout: str) -> Any:
 ], ids=lambda value: "rank" + "+".join(map(str, value)) if isinstance(value, tuple) else None)
 def test_rehearsal_equals_plan(cpu_mode, recipe, layout, ranks, step):
     model = recipe.rsplit("_", 1)[0]
-    for result in rehearse(_as_planned(recipe, layout), layout=layout, ranks=ranks, step=step, activations=False):
+    for result in rehearse(recipe, layout=layout, ranks=ranks, step=step, activations=False):
         result = result.to_json()
         params, experts = HAND[model, result["coordinates"]["rank"]]
         assert (result["measured"]["params"], result["measured"]["expert_params"]) == (params, experts)
         _check(result, step=step)
+        if step and (model, result["coordinates"]["rank"]) in HAND_NS:
+            assert result["ns_flops"] == HAND_NS[model, result["coordinates"]["rank"]]
 
 
 # The proxies at 2-process layouts: EP2 (dense DP2, expert DP1; the layer-wise Muon deals the dense matrices over
