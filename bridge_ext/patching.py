@@ -29,7 +29,8 @@ __all__ = ["Area", "Patch", "Scope", "Snippet", "always", "apply", "one_of", "ow
            "rewritten", "serve", "set_value", "temporarily"]
 
 # The upstream area a patch works around (how docs/patches.md groups them).
-Area = Literal["optimizer", "transformer", "training", "checkpointing", "conversion", "import", "cpu", "rehearse"]
+Area = Literal["optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "import",
+              "cpu", "rehearse"]
 # When it is applied (``patches.apply(scope)``): at import of bridge_ext, on every run (stack fixes), when a
 # Muon preset is installed, for LoRA, around checkpoint saves and loads, for conversion, in CPU mode, and
 # for the duration of a dry run's validation (``patches.temporarily("dryrun")``), before user YAML is read

@@ -58,20 +58,24 @@ CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (th
 WRITER_QUEUE_PUBLIC = {"checkpoint-writer-dies-with-trainer (get_write_results_queue)"}
 MLA_Q_WITHOUT_LORA = {f"{name}{scope}" for name in ("mla-q-projection-without-norm", "mla-unused-q-norm")
                       for scope in ("", " (conversion)")}
+# megatron-core 0.16-0.17 set a TP layer's weight attributes only under perform_initialization (0.18 added the
+# else branch): tests/test_tp_weight_attributes.py
+TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT = {f"tp-weight-attributes-without-init ({cls})" for cls in
+                                      ("VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear")}
 # megatron-bridge 0.3-0.5's fine-tuning batch sampler starts every epoch at the resume offset (0.6 fixed it)
 SFT_RESUME_OFFSET_EVERY_EPOCH = {"sft-epochs-after-resume-from-the-start"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requirements/lock-*.txt -> patches
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
-                         *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH},
+                         *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
     # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the
     # SequentialMLP and expert-bias mappings, local expert numbers stay local (its export reads local_experts.<N>)
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target",
-                         *SFT_RESUME_OFFSET_EVERY_EPOCH},
+                         *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes
     # (the DDP stream in megatron/training/models/dist_utils.py, per-rank all-gather buffers, fp32 layer-wise
     # members), but still matches param groups by four keys; MB 0.5's KimiK2Bridge lacks the expert mappings;

@@ -12,6 +12,8 @@ of a module in its area (tests/test_patches.py); the code a row puts in place li
 * ``optimizer``: megatron-core's Muon vs emerging-optimizers, Newton-Schulz coefficients, the gate/up split,
   MuonClip, Muon over LoRA adapters (``optimizer_fields``: preset field names the installed megatron-core knows).
 * ``transformer``: megatron-core's attention: QK-clip's known bugs, MLA's latent norms and query as DeepSeek-V3's.
+* ``tensor_parallel``: megatron-core's tensor-parallel layers: the weights' TP attributes without
+  ``perform_initialization`` (megatron-core 0.16-0.17).
 * ``training``: Megatron Bridge's start-up, scheduler and dry-run validation.
 * ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts, the
   optimizer's param groups on resume.

@@ -19,7 +19,7 @@ from typing import Any
 from bridge_ext import patching
 from bridge_ext.cpu import patches as cpu
 from bridge_ext.patches import (checkpointing, conversion, import_time, optimizer, optimizer_fields,
-                                 rehearse, training, transformer)
+                                 rehearse, tensor_parallel, training, transformer)
 from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
@@ -30,6 +30,7 @@ REGISTRY: tuple[Patch, ...] = (
     *optimizer.PATCHES,
     *optimizer_fields.PATCHES,
     *transformer.PATCHES,
+    *tensor_parallel.PATCHES,
     *training.PATCHES,
     *checkpointing.PATCHES,
     *conversion.PATCHES,
@@ -140,7 +141,8 @@ def table() -> list[dict[str, str]]:
     return rows
 
 
-_AREAS = ("import", "optimizer", "transformer", "training", "checkpointing", "conversion", "cpu", "rehearse")
+_AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "cpu",
+          "rehearse")
 
 
 def markdown() -> str:

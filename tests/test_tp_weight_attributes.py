@@ -1,0 +1,109 @@
+"""megatron-core 0.16/0.17 give a tensor-parallel layer's weight its TP attributes (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``) only when ``perform_initialization`` is on; 0.18 sets them either way
+(``bridge_ext/patches/tensor_parallel.py``, patch ``tp-weight-attributes-without-init (...)``, scope ``stack``).
+
+Expected values are megatron-core's own: each layer built twice in this process, with and without
+``perform_initialization``, on the CPU and the GPU init path; the uninitialized one's weight must carry the
+initialized one's attributes, and megatron-core's ``TensorParallelMuon.orthogonalize`` (``muon_tp_mode``
+duplicated) must pass Newton-Schulz the same partition dim for it (without the fix: None, i.e. each TP shard
+orthogonalized alone). One process, TP1: the attributes do not depend on the TP size.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.stack  # megatron-core 0.16/0.17 need the patch, 0.18+ have the fix
+
+ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+LAYERS = ("VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear")
+
+
+@pytest.fixture(scope="module")
+def tp_group(cpu_mode):
+    """The TP group of a one-process run (world size 1), and megatron-core's RNG tracker for the GPU init path."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from bridge_ext.cpu.config import init_single_process_distributed
+
+    init_single_process_distributed()
+    ours = not parallel_state.model_parallel_is_initialized()
+    if ours:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234)
+    yield parallel_state.get_tensor_model_parallel_group()
+    if ours:
+        parallel_state.destroy_model_parallel()
+
+
+def _layer(name: str, *, perform_initialization: bool, use_cpu_initialization: bool, group):
+    import torch
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import layers
+
+    config = ModelParallelConfig(perform_initialization=perform_initialization,
+                                 use_cpu_initialization=use_cpu_initialization, params_dtype=torch.float32)
+    init = torch.nn.init.ones_
+    if name == "VocabParallelEmbedding":
+        return layers.VocabParallelEmbedding(16, 4, init_method=init, config=config, tp_group=group)
+    if name == "ColumnParallelLinear":  # stride 2: a fused projection's interleaved partitions
+        return layers.ColumnParallelLinear(4, 8, config=config, init_method=init, bias=True, gather_output=False,
+                                           stride=2, tp_group=group)
+    return layers.RowParallelLinear(8, 4, config=config, init_method=init, bias=False, input_is_parallel=True,
+                                    skip_bias_add=False, stride=1, tp_group=group)
+
+
+def _partition_dim_given_to_newton_schulz(weight) -> object:
+    """The partition dim megatron-core's ``TensorParallelMuon.orthogonalize`` (tp mode duplicated) passes on for
+    ``weight`` (on a stand-in optimizer whose orthogonalize function records it)."""
+    import torch
+
+    from bridge_ext.stack import first_defined
+
+    muon = first_defined("TensorParallelMuon", "megatron.core.optimizer.muon",
+                         "megatron.core.optimizer.emerging_optimizers")
+    seen = []
+    stand_in = SimpleNamespace(pg_collection=None, mode="duplicated", tp_mode="duplicated", split_qkv=False,
+                               is_qkv_fn=lambda p: False,
+                               scaled_orthogonalize_fn=lambda grad, group, dim: seen.append(dim) or grad,
+                               # megatron-core 0.19.2
+                               scaled_orthogonalize_fn_with_gtp_remat=lambda p, grad, group, dim: seen.append(dim)
+                               or grad)
+    muon.orthogonalize(stand_in, weight, torch.zeros_like(weight))
+    assert len(seen) == 1
+    return seen[0]
+
+
+@pytest.mark.parametrize("use_cpu_initialization", [True, False], ids=["cpu-init", "gpu-init"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_weight_has_its_tp_attributes_without_initialization(tp_group, name, use_cpu_initialization):
+    initialized = _layer(name, perform_initialization=True, use_cpu_initialization=use_cpu_initialization,
+                         group=tp_group)
+    loaded = _layer(name, perform_initialization=False, use_cpu_initialization=use_cpu_initialization,
+                    group=tp_group)
+    expected = {key: getattr(initialized.weight, key) for key in ATTRIBUTES}
+    assert expected["tensor_model_parallel"] is True and expected["partition_dim"] in (0, 1)  # the init path's
+    assert {key: getattr(loaded.weight, key, None) for key in ATTRIBUTES} == expected
+    if name != "VocabParallelEmbedding":  # Muon's matrices (the embedding is AdamW's)
+        assert _partition_dim_given_to_newton_schulz(loaded.weight) == expected["partition_dim"]
+
+
+def test_the_fix_is_upstreams_else_branch_where_the_installed_code_lacks_it(cpu_mode):
+    """Applied exactly where megatron-core's own ``__init__`` sets the attributes only under
+    ``perform_initialization`` (0.16, 0.17); 0.18+ run upstream's code unchanged."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    from bridge_ext.patches import applied
+    from bridge_ext.patches.tensor_parallel import weight_attributes_only_with_initialization
+
+    for name in LAYERS:
+        needed = weight_attributes_only_with_initialization(name)
+        patched = f"tp-weight-attributes-without-init ({name})" in applied()
+        assert patched == needed, name
+        init = vars(getattr(layers, name))["__init__"]
+        assert (inspect.unwrap(init) is not init) == needed, name  # ours keeps upstream's as __wrapped__
