@@ -60,12 +60,16 @@ def reset_megatron_globals() -> None:
     ``_MOE_LAYER_WISE_LOGGING_TRACKER``, sized for the first MoE model's layer count (IndexError at
     ``moe_utils.py:897`` for a deeper one); and ``checkpoint_utils.read_train_state``'s cache, whose
     ``TrainState`` the last run advanced (a second load of that checkpoint would start at the wrong
-    iteration). Leaves the process group alone. Not CPU-specific.
+    iteration). The process groups megatron-core made for the run are destroyed (its ``destroy_model_parallel``
+    only forgets them: each gloo group keeps its sockets and threads, ~75 descriptors and ~50 threads per TP2
+    run, and runs in one process slowed down run by run); the default process group is left alone. Not
+    CPU-specific.
     """
     from megatron.bridge.training.initialize import destroy_global_state
     from megatron.bridge.training.utils import checkpoint_utils
     from megatron.core.transformer.moe import moe_utils
 
+    _destroy_megatron_process_groups()
     destroy_global_state()
     for cached in ("read_train_state", "read_run_config"):  # lru_cache'd; the TrainState is mutated by training
         getattr(getattr(checkpoint_utils, cached, None), "cache_clear", lambda: None)()
@@ -77,6 +81,19 @@ def reset_megatron_globals() -> None:
         from megatron.core.transformer.moe import moe_logging
 
         moe_logging.destroy_moe_metrics_tracker()
+
+
+def _destroy_megatron_process_groups() -> None:
+    """Every process group but the default one. Megatron Bridge's ``pretrain()`` ends in megatron-core's
+    ``destroy_model_parallel``, which drops its globals but not the groups, so they are found in torch's table
+    of groups (``distributed_c10d._world.pg_map``), not in ``parallel_state``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    for group in [g for g in distributed_c10d._world.pg_map if g is not dist.group.WORLD]:
+        dist.destroy_process_group(group)
 
 
 # Model settings that cannot run on CPU processes, and the value that can. Everything else is kept.
