@@ -14,7 +14,8 @@ resuming the previous phase's checkpoint (or the reference's first iteration) in
 Each phase's loss must equal the reference's at that iteration, and its saved weights and Muon momentum
 (read back from the torch_dist files as global tensors, layout-independent) the reference's. fp32,
 ``muon_fp32_matmul_prec=highest``, duplicated TP mode (each TP shard gathered: the 1-process update).
-Every ordered pair of layouts per family: the matrix's ``exhaustive`` test (``make test``). Everything is one
+Every ordered pair of layouts per family: tests/test_layout_matrix.py (Kimi K2 and Qwen3 on 26.02 and newest,
+the other two families in ``make test``). Everything is one
 heavy test: under ``pytest -n 2`` a shared module fixture would run once per worker.
 """
 
