@@ -5,9 +5,9 @@ run on a CPU process changed, as CPU mode does (``bridge_ext.cpu.config``): mega
 (no Transformer Engine; MLA's down-projections are ``ColumnParallelLinear`` there, ``TELinear`` duplicated
 with TE), fusions off, the ``allgather`` MoE dispatcher and sequential experts (TE's grouped GEMM holds the
 same per-expert weights). Unlike CPU mode the precision stays: bf16 weights, fp32 gradients and main weights,
-as on GPUs (MXFP8 recipes rehearse as ``bf16_mixed``: their fp8 copies need Transformer Engine). Weights are
-initialized as in a training run (``perform_initialization=True``, on fake tensors: no values, no memory kept):
-megatron-core's local layers set their tensor-parallel attributes only there (see ``REHEARSAL_MODEL_SETTINGS``).
+as on GPUs (MXFP8 recipes rehearse as ``bf16_mixed``: their fp8 copies need Transformer Engine). Weight
+initialization is skipped (``perform_initialization=False``): values do not change what is allocated, and the
+stack patches (applied first) give the weights their tensor-parallel attributes all the same.
 """
 
 from __future__ import annotations
@@ -24,16 +24,10 @@ __all__ = ["REHEARSAL_MODEL_SETTINGS", "build_rank", "rehearsal_config"]
 REHEARSAL_MODEL_SETTINGS: dict[str, Any] = {
     **TE_KERNEL_SETTINGS,  # megatron-core's local modules (bridge_ext.without_te)
     "use_cpu_initialization": True,
-    # Not False: megatron-core 0.16's local ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding
-    # (tensor_parallel/layers.py) call set_tensor_model_parallel_attributes (tensor_model_parallel, partition_dim,
-    # partition_stride) only inside _initialize_affine_weight_cpu/_gpu, i.e. under perform_initialization; skipped,
-    # Megatron Bridge's provider gives every weight the defaults (not TP-parallel, partition_dim -1), the fp32
-    # main weights copy those, and TensorParallelMuon.orthogonalize (megatron/core/optimizer/muon.py) passes
-    # partition_dim None to emerging-optimizers' newton_schulz_tp: the presets' muon_tp_mode=duplicated then
-    # orthogonalizes each TP shard alone (blockwise work) instead of all-gathering the whole matrix. (Megatron
-    # Bridge's workaround for the same upstream gap also keeps initialization on: NVIDIA-NeMo/Megatron-Bridge PR
-    # 992.) On fake tensors the initialization keeps nothing allocated and reads no data.
-    "perform_initialization": True,
+    # values do not change what is allocated; the weights' tensor-parallel attributes (partition_dim, which
+    # Muon's duplicated TP mode needs) are set without initialization too: upstream from megatron-core 0.18,
+    # the stack patch tp-weight-attributes-without-init before (bridge_ext/patches/tensor_parallel.py)
+    "perform_initialization": False,
     "init_model_with_meta_device": False,
     "cuda_graph_impl": "none",
     "bias_activation_fusion": False,
