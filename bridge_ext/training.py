@@ -122,6 +122,8 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
 
     Returns True when the run stopped early on its exit signal (SIGTERM) after saving, False otherwise.
     """
+    import gc
+
     import torch
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
@@ -152,6 +154,9 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
             raise
     finally:
         stop.release()
+        # The run's reference cycles now, not at some later full collection: they hold its process groups,
+        # whose gloo threads and sockets stay open until freed (a process that trains again piles them up).
+        gc.collect()
         if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return stop.received

@@ -39,6 +39,17 @@
   uninterrupted run is in its epoch (epochs of whole global batches, as 0.6's epoch-aware sampler counts them),
   the next pass at the first record. Applies where ``__iter__`` still starts at ``consumed_samples %
   total_samples``; 0.6 fixed it upstream.
+* ``manual-gc-restored`` (``stack``): megatron-bridge ``training/train.py`` ``train()`` turns the garbage
+  collector off under ``train.manual_gc`` (Kimi K2's and Moonlight's presets) and never back on: a process that
+  goes on after ``pretrain()`` (the Python API, a notebook, in-process tests) keeps every later reference cycle,
+  each run's gloo process groups with their threads and sockets among them. ``pretrain``'s ``train`` restores
+  the collector's state when it returns. Applies on every stack so far (0.3-0.6).
+* ``ddp-hook-cycle`` (``stack``): megatron-core ``distributed/distributed_data_parallel.py``: the backward hook
+  ``DistributedDataParallel`` puts on each parameter's gradient accumulator (a C++ autograd node) closes over
+  the wrapper, which keeps the accumulators (``grad_accs``): a cycle Python's collector cannot see, so no
+  wrapped model is ever freed (each run in one process keeps its model, buffers and gloo process groups). The
+  hook holds the wrapper by weak reference and calls upstream's. Applies where the hook closes over ``self``
+  (megatron-core 0.16-0.19).
 """
 
 from __future__ import annotations
@@ -177,6 +188,74 @@ def _logit_by_name(original: Callable) -> Callable:
     return training_log
 
 
+# --- megatron-bridge training/train.py train(): train.manual_gc turns the garbage collector off for good -----
+# ``gc.disable()`` when ``train.manual_gc`` is set (Kimi K2's and Moonlight's presets, as upstream's DeepSeek
+# recipes), and no ``gc.enable()`` on any way out: after ``pretrain()`` returns, the process never collects a
+# reference cycle again (measured: ``gc.isenabled()`` False after a Kimi K2 proxy run). A process that goes on
+# (the Python API, a notebook, tests) keeps every later cycle: a model and its optimizer are full of them.
+_PRETRAIN = "megatron.bridge.training.pretrain"
+
+
+def _gc_left_off() -> bool:
+    source = inspect.getsource(importlib.import_module(_TRAIN).train)
+    if "gc.disable()" not in source:
+        return False  # upstream no longer turns the collector off
+    return "gc.enable()" not in source
+
+
+def _gc_restored(original: Callable) -> Callable:
+    import gc
+
+    def train(*args, **kwargs):
+        was_on = gc.isenabled()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+
+    train.__wrapped__ = original
+    return train
+
+
+# --- megatron-core distributed/distributed_data_parallel.py: gradient hooks that keep the model for good -----
+# DistributedDataParallel.__init__ registers, on each parameter's gradient accumulator (an autograd node, C++),
+# a hook that closes over the wrapper (``self``) and keeps the accumulators in ``self.grad_accs``: a reference
+# cycle through C++ that Python's collector cannot see, so no model wrapped in it is ever freed. A process
+# that goes on after ``pretrain()`` keeps each run's model, gradient buffers and process groups (their gloo
+# threads and sockets; measured: +49 threads, +65 descriptors and one more live GPTModel per Qwen3-MoE proxy
+# run, a run from 2 s to 7 s once ~1,000 threads piled up; on a GPU, the first run's memory).
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+
+
+def _hook_closes_over_ddp() -> bool:
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    make = inspect.unwrap(DistributedDataParallel._make_backward_post_hook)
+    if list(inspect.signature(make).parameters) != ["self", "param"]:
+        raise UpstreamDrift(f"{package_of(_DDP)}: DistributedDataParallel._make_backward_post_hook takes "
+                            f"{list(inspect.signature(make).parameters)}; bridge_ext.patches' ddp-hook-cycle needs "
+                            "updating")
+    return "self" in make.__code__.co_cellvars  # the hook it returns holds the wrapper
+
+
+def _hook_holding_ddp_weakly(original: Callable) -> Callable:
+    import weakref
+
+    def _make_backward_post_hook(self, param):
+        ddp = weakref.ref(self)
+
+        def hook(*unused):
+            live = ddp()
+            if live is not None:  # upstream's hook, made for this call (a closure: no work beyond its body)
+                return original(live, param)(*unused)
+
+        return hook
+
+    _make_backward_post_hook.__wrapped__ = original
+    return _make_backward_post_hook
+
+
 _SAMPLERS = "megatron.bridge.data.samplers"
 
 
@@ -311,5 +390,31 @@ PATCHES: tuple[Patch, ...] = (
         snippets=(_RESUME_OFFSET_EVERY_PASS, "self._global_batch_size = global_batch_size",
                   "pad_samples_to_global_batch_size=not drop_last"),
         make=_epochs_from_the_start,
+    ),
+    Patch(
+        name="manual-gc-restored", area="training", scope="stack",
+        module=_PRETRAIN, attr="train",
+        upstream="megatron/bridge/training/train.py train(): gc.disable() under train.manual_gc, never re-enabled "
+                 "(called by training/pretrain.py)",
+        why="after pretrain() the process never collects a reference cycle again (a model and its optimizer are "
+            "full of them); the collector is turned back on when train() returns, as it was before",
+        when="train() turns the collector off and nowhere back on",
+        needed=_gc_left_off,
+        snippets=("from megatron.bridge.training.train import",),
+        make=_gc_restored,
+    ),
+    Patch(
+        name="ddp-hook-cycle", area="training", scope="stack",
+        module=_DDP, attr="DistributedDataParallel._make_backward_post_hook",
+        upstream="megatron/core/distributed/distributed_data_parallel.py DistributedDataParallel.__init__: "
+                 "grad_acc.register_hook(self._make_backward_post_hook(param)), self.grad_accs",
+        why="the hook on each gradient accumulator (a C++ autograd node) holds the wrapper, which holds the "
+            "accumulators: a cycle the collector cannot see, so every wrapped model stays alive with its buffers "
+            "and process groups (+49 threads and one more live model per MoE proxy run in one process); the hook "
+            "holds the wrapper by weak reference and calls upstream's hook",
+        when="the backward post-hook closes over the wrapper",
+        needed=_hook_closes_over_ddp,
+        snippets=("grad_acc.register_hook(self._make_backward_post_hook(param))", "self.grad_accs.append(grad_acc)"),
+        make=_hook_holding_ddp_weakly,
     ),
 )

@@ -9,6 +9,7 @@ place is ``one_of`` its forms; code that moved to another module is in ``moved``
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -295,6 +296,19 @@ PATCHES: tuple[Patch, ...] = (
         why="warms torch.compile'd bias_swiglu/bias_dropout_add on CUDA tensors; with those fusions off (CPU) "
         "the kernels never run, and compiling them with inductor costs ~3 s per run",
         make=_jit_warmup,
+    ),
+    _cpu(
+        name="router-expert-bias-eager",
+        upstream="megatron/core/transformer/moe/router.py TopKRouter._apply_expert_bias (@jit_fuser, which "
+                 "megatron/core/jit.py makes torch.compile)",
+        module="megatron.core.transformer.moe.router",
+        attr="TopKRouter._apply_expert_bias",
+        snippets=("@jit_fuser\n    def _apply_expert_bias",),
+        why="inductor compiles it to C++ at the first routed step: ~10 s of every process that trains an "
+            "expert-bias router (Kimi K2, Moonlight) for one small integer update; the eager function (what "
+            "jit_fuser wraps) computes the same",
+        accepts=callable,
+        make=inspect.unwrap,
     ),
     _cpu(
         name="clip-grads-fp32-check",
