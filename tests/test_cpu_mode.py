@@ -290,7 +290,7 @@ def test_training_runs_in_one_process_free_their_models_and_compile_nothing(cpu_
     if _MODEL_OUTLIVES_RUN_UNDER_PYTEST:
         # megatron-core 0.18-0.19 (26.06.01, 26.08, newest): under pytest one more holder keeps the model (the
         # layer-wise optimizer, via the model config's grad_scale_func, is alive; its root not yet found; the
-        # same run in a plain script frees it). Strict: this fails once that holder is gone.
+        # same run in a plain script frees it). The checks above ran; the model and thread checks do not, there.
         pytest.xfail("megatron-core 0.18-0.19: a holder beyond ddp-hook-cycle keeps the model under pytest")
     assert alive() == models_before, "a model (or its DDP wrapper) outlived its run"
     run(2)
