@@ -30,6 +30,6 @@ def nemo(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``heavy`` (minutes each) run first: pytest-xdist hands tests out in collection order, so a
-    heavy test collected last would leave one worker running it alone at the end of the suite."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    """Tests marked ``heavy`` or ``matrix`` (minutes each) run first: pytest-xdist hands tests out in collection
+    order, so such a test collected last would leave one worker running it alone at the end of the suite."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in ("heavy", "matrix")))

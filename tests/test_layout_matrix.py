@@ -8,7 +8,8 @@ plus the Qwen3 AdamW recipe on ``cpu-dp2`` with megatron-core's distributed opti
 ones each proxy ships (recipes/layouts.py): dense ``cpu``, ``cpu-dp2``, ``cpu-tp2``, ``cpu-pp2``; MoE those and
 ``cpu-ep2``, ``cpu-tp2-ep2``.
 
-How it stays cheap (CI runs this on every stack):
+One test, every stack (CI included: ``stack``, ``matrix``); about 400 s on an idle 2-core machine. How it stays
+cheap:
 
 - One reference run per family on one process (in this process), the layouts' cycle's length + 3 iterations,
   saved at iteration 2: its losses are what every other run must reproduce (the layouts compute the same
@@ -19,16 +20,15 @@ How it stays cheap (CI runs this on every stack):
   phase resumes the previous phase's checkpoint and saves its own: every layout is a source once and a target
   once, and each phase's checkpoint is the one that layout saves (exported below). A phase's first loss checks
   the weights it loaded, the next phase's (or its second) loss the optimizer state it loaded.
+- Every other ordered pair of the family's shipped layouts: a two-iteration resume of the cycle's checkpoint
+  of the source layout in the target layout (Qwen3-MoE, Kimi K2 and Moonlight 30 pairs each, Qwen3 12, the
+  cycle's included), and AdamW's distributed optimizer DP2 -> 1 (refused in one line; its checkpoint exports).
 - One ``torchrun`` launch per process count for all families (tests/layout_matrix_driver.py): 4 processes
   (``cpu-tp2-ep2``), then 2 (every 2-process layout, the pairs into them, then the ``--tp/--pp/--ep`` exports),
-  then this process; every pair (below) needs one more 4-process launch, for the pairs into ``cpu-tp2-ep2``.
-- The pairs most users hit, into one process: TP2 -> 1, TP2 x EP2 -> 1, PP2 -> 1 (DP2 -> 1 is in the cycle),
-  and AdamW's distributed optimizer DP2 -> 1 (refused in one line; its checkpoint exports).
+  then this process, then one more 4-process launch for the pairs into ``cpu-tp2-ep2`` (their sources are
+  saved by the 2-process launch). A run's own cost is ~2.5 s (2 processes) of start-up around 1-2 iterations.
 - Kimi K2's TP2 x EP2 checkpoint: the layout is in the files (2 stored chunks per query projection), and random
   regions the streaming reader reads across chunk borders equal torch's own DCP -> torch.save conversion.
-- ``heavy`` (26.02 and newest only): Kimi K2's and Qwen3's every other ordered pair of shipped layouts (with the
-  cycle: the ``stack`` test is its ``subset``, run on the other stacks), and the Qwen3-MoE and Moonlight families'
-  cycles and users' pairs; ``exhaustive`` (``make test``, not CI): those two families' every other ordered pair.
 
 Expected values come from the reference (the one-process run: a second computation of the same steps) and from
 the model-built export (megatron-core's own loader and Megatron Bridge's export), never from the code that
@@ -52,7 +52,6 @@ FAMILIES = {"qwen3": "qwen3_proxy_muon", "qwen3_moe": "qwen3_moe_proxy_muon", "k
 ADAMW = "qwen3_proxy_adamw"  # megatron-core's distributed optimizer wherever DP > 1 (its preset's)
 # Cycle order: after the one-process reference, the process counts only fall (4, then 2, then 1): one launch each
 ORDER = ["cpu", "cpu-tp2-ep2", "cpu-tp2", "cpu-pp2", "cpu-ep2", "cpu-dp2"]
-USER_PAIRS = [("cpu-tp2", "cpu"), ("cpu-tp2-ep2", "cpu"), ("cpu-pp2", "cpu")]
 # exports on 2 processes through the built model; kimi_k2/moonlight proxies have 3 layers (no --pp 2)
 EXPORT_LAYOUTS = (["--tp", "2"], ["--ep", "2"], ["--pp", "2"])
 SAVED_AT = 2
@@ -61,8 +60,6 @@ SAVED_AT = 2
 EXACT = ["optimizer.muon_fp32_matmul_prec=highest",
          "scheduler.lr_decay_iters=16", "scheduler.lr_wsd_decay_iters=4", "logger.log_interval=1"]
 LOSS_TOL = 2e-6  # tests/test_parallel_cpu.py's re-layout tolerance (measured there <= 4.8e-7)
-
-STACK_FAMILIES = ["kimi_k2", "qwen3"]  # every stack; the other two families: heavy
 
 
 @dataclass(frozen=True)
@@ -137,10 +134,11 @@ def pairs(family: str, saved: dict[str, tuple[Path, int]], which: list[tuple[str
     return out
 
 
-def all_other_pairs(family: str) -> list[tuple[str, str]]:
+def pairs_off_the_cycle(family: str) -> list[tuple[str, str]]:
+    """Every ordered pair of the family's shipped layouts that its cycle does not resume."""
     layouts = shipped_cpu_layouts(FAMILIES[family])
     in_cycle = set(zip(layouts, layouts[1:] + ["cpu"]))
-    return [(s, t) for s in layouts for t in layouts if s != t and (s, t) not in in_cycle and (s, t) not in USER_PAIRS]
+    return [(s, t) for s in layouts for t in layouts if s != t and (s, t) not in in_cycle]
 
 
 def _nemo_here(argv: list[str]) -> None:
@@ -335,89 +333,55 @@ class Matrix:
     resumes: list[Phase]
     exported_here: dict
     exported_on_two: dict
-    refused: Phase | None
+    refused: Phase
 
 
-def run_matrix(tmp: Path, families: list[str], *, every_pair: bool, adamw: bool, exports: bool,
-               times: dict) -> Matrix:
-    """The references, cycles and pairs of ``families`` (every ordered pair of layouts with ``every_pair``),
-    the exports of each cycle checkpoint, and with ``adamw`` the AdamW DP2 runs."""
+def run_matrix(tmp: Path, families: list[str], *, times: dict) -> Matrix:
+    """The references, cycles and every other pair of ``families``, the exports of each cycle checkpoint, and
+    the AdamW DP2 runs."""
     references, cycles, saved = {}, [], {}
     for family in families:
         reference, phases = cycle(family, tmp)
         references[reference.recipe] = reference
         cycles += phases
         saved[family] = saved_checkpoints(reference, phases)
-    adamw_phases, refused = [], None
-    if adamw:
-        reference, adamw_phases, refused = adamw_dp2_phases(tmp)
-        references[ADAMW] = reference
+    reference, adamw_phases, refused = adamw_dp2_phases(tmp)
+    references[ADAMW] = reference
     with _Clock(times, f"{len(references)} references in this process"):
         for reference in references.values():
             _nemo_here(reference.argv())
-    plan, distributed = distributed_exports(saved, tmp) if exports else ([], {})
+    plan, distributed = distributed_exports(saved, tmp)
     extra = []
     for family in families:
-        layouts = shipped_cpu_layouts(FAMILIES[family])
-        which = [(s, t) for s, t in USER_PAIRS if s in layouts] + (all_other_pairs(family) if every_pair else [])
-        extra += pairs(family, saved[family], which, tmp)
+        extra += pairs(family, saved[family], pairs_off_the_cycle(family), tmp)
     # The cycle's phases first (each launch in cycle order), the pairs after them in the same launches: every
     # pair's source is a checkpoint of the reference or the cycle, saved by then, except for pairs into a layout
     # of more processes than the cycle's 2-process phases (cpu-tp2-ep2): those need one more 4-process launch.
     later = [p for p in extra if p.processes > 2]
     _run(cycles + adamw_phases + [p for p in extra if p.processes <= 2], plan, tmp, times)
     _run(later, [], tmp, times)
-    if adamw:  # the distributed optimizer's checkpoint (optimizer state in per-bucket shards) exports too
-        saved["qwen3-adamw"] = {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}
-    here = _export_here(saved, tmp, times) if exports else {}
+    # the distributed optimizer's checkpoint (optimizer state in per-bucket shards) exports too
+    saved["qwen3-adamw"] = {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}
+    here = _export_here(saved, tmp, times)
     return Matrix(references, cycles + adamw_phases + extra, here, distributed, refused)
 
 
-def _matrix(tmp: Path, families: list[str], *, every_pair: bool, nemo=None, exports: bool = True) -> None:
-    """run_matrix, its times printed, then the checks (with ``nemo``, the fixture: the AdamW DP2 runs too)."""
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.matrix
+def test_every_family_saved_in_every_layout_exports_and_resumes_in_every_other(cpu_mode, nemo, tmp_path):
+    """Qwen3, Qwen3-MoE, Kimi K2 and Moonlight proxies: the cycle, every other ordered pair of shipped layouts,
+    every export; AdamW DP2 -> 1 refused in one line."""
     times: dict = {}
     with _Clock(times, "total"):
-        done = run_matrix(tmp, families, every_pair=every_pair, adamw=nemo is not None, exports=exports, times=times)
+        done = run_matrix(tmp_path, list(FAMILIES), times=times)
     check_exports(done.exported_here, done.exported_on_two)
-    if "kimi_k2" in families and exports:  # the 4-process layout's checkpoint: experts and MLA in TP2 x EP2 chunks
-        saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
-        check_stored_chunks(saved.save, saved.iters, tp=2)
-    if done.refused is not None:
-        check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
+    # the 4-process layout's checkpoint: experts and MLA in TP2 x EP2 chunks
+    saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
+    check_stored_chunks(saved.save, saved.iters, tp=2)
+    check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
     check_losses(done.resumes, done.references)
-
-
-@pytest.mark.slow
-@pytest.mark.stack
-@pytest.mark.subset  # of the every-pair test below: .ci/run runs this one on the stacks that do not run `heavy`
-def test_kimi_k2_and_qwen3_in_every_layout_export_and_resume_in_the_next(cpu_mode, nemo, tmp_path):
-    """Kimi K2 (MLA, MoE) and Qwen3 dense proxies: the cycle, the users' pairs, every export; AdamW DP2 -> 1."""
-    _matrix(tmp_path, STACK_FAMILIES, every_pair=False, nemo=nemo)
-
-
-@pytest.mark.slow
-@pytest.mark.stack
-@pytest.mark.heavy
-def test_kimi_k2_and_qwen3_in_every_layout_export_and_resume_in_every_other(cpu_mode, nemo, tmp_path):
-    """The test above, and every other ordered pair of the two families' shipped layouts (Kimi K2 22, Qwen3 6)."""
-    _matrix(tmp_path, STACK_FAMILIES, every_pair=True, nemo=nemo)
-
-
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_qwen3_moe_and_moonlight_in_every_layout_export_and_resume_in_the_next(cpu_mode, tmp_path):
-    """The other two families: the cycle, the users' pairs, every export."""
-    _matrix(tmp_path, [f for f in FAMILIES if f not in STACK_FAMILIES], every_pair=False)
-
-
-@pytest.mark.slow
-@pytest.mark.heavy
-@pytest.mark.once
-@pytest.mark.exhaustive  # make test runs it, CI not (its budget); the cycle above runs on 26.02 and newest
-def test_qwen3_moe_and_moonlight_resume_every_saved_layout_in_every_other_layout(cpu_mode, tmp_path):
-    """The other two families: every ordered pair of shipped layouts (the cycles again as their sources)."""
-    _matrix(tmp_path, [f for f in FAMILIES if f not in STACK_FAMILIES], every_pair=True, exports=False)
 
 
 @pytest.mark.parametrize(("saved", "now", "refused"), [
