@@ -13,6 +13,9 @@
 * :func:`graceful_stop`: Megatron Bridge polls ``state.signal_handler`` when ``train.exit_signal_handler`` is on
   (``train.py``, ``checkpoint_and_decide_exit``) but never installs it (``DistributedSignalHandler.__enter__``
   is called nowhere for the trainer); this callback installs it when training starts.
+* :func:`held_exit_signal`: from the command's start until training starts, the exit signal is noted instead of
+  killing the process (Slurm's time-limit SIGTERM or a preemption can come while the run imports, builds or
+  loads); :func:`graceful_stop` then stops the run after its first iteration, with a save.
 * :func:`keep_helpers_with_trainer`: helper processes of a save die with the trainer, even on SIGKILL.
 
 Top-level imports stay light: the helper processes import this module to run :func:`exit_with_parent`.
@@ -35,7 +38,7 @@ from typing import Any
 from bridge_ext.runtime import write_atomic
 
 __all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
-           "graceful_stop", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker", "start_results_server",
+           "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker", "start_results_server",
            "stop_line"]
 
 
@@ -258,6 +261,48 @@ def stop_line(cfg: Any) -> str | None:
     return f"on {name}: finishes the current iteration, saves a checkpoint to {cfg.checkpoint.save}, exits 0"
 
 
+@dataclass
+class _Hold:
+    previous: Any  # the handler before the hold
+    received: bool = False
+
+    def release(self, sig: int) -> None:
+        """Hand the signal back to the previous handler; one that came meanwhile is delivered to it now."""
+        signal.signal(sig, self.previous)
+        if self.received:
+            self.received = False
+            signal.raise_signal(sig)
+
+
+_holds: dict[int, _Hold] = {}
+
+
+@contextlib.contextmanager
+def held_exit_signal(sig: int = signal.SIGTERM):
+    """Note ``sig`` instead of dying of it until training starts (see the module docstring); the training run
+    (:func:`graceful_stop`) takes it over, or it is released when the block ends."""
+    if sig in _holds or not _in_main_thread():
+        yield
+        return
+    hold = _holds[sig] = _Hold(previous=signal.getsignal(sig))
+
+    def note(signum: int, frame: Any) -> None:
+        hold.received = True
+
+    signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        if _holds.pop(sig, None) is hold:
+            hold.release(sig)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def graceful_stop():
     """A Megatron Bridge callback that installs ``state.signal_handler`` when training starts (and removes it
     when the run ends, :meth:`release`). Repeated signals during the save are absorbed; SIGKILL still stops."""
@@ -270,8 +315,13 @@ def graceful_stop():
 
         def on_train_start(self, context: Any) -> None:
             if not context.state.cfg.train.exit_signal_handler:
+                for sig in list(_holds):  # nobody stops on a signal: it acts as it did before the hold
+                    _holds.pop(sig).release(sig)
                 return
             handler = context.state.signal_handler
+            hold = _holds.pop(handler.sig, None)
+            if hold is not None:  # upstream's handler restores the one before the hold when the run ends
+                signal.signal(handler.sig, hold.previous)
             current = signal.getsignal(handler.sig)
             if "DistributedSignalHandler" not in getattr(current, "__qualname__", ""):  # not installed yet
                 handler.__enter__()
@@ -283,6 +333,10 @@ def graceful_stop():
                 upstream(signum, frame)
 
             signal.signal(handler.sig, note)
+            if hold is not None and hold.received:  # it came while the run was starting: stop after one iteration
+                note(handler.sig, None)
+            for sig in list(_holds):  # another signal held (the config stops on a different one): released
+                _holds.pop(sig).release(sig)
 
         def release(self) -> None:
             if self.handler is not None:

@@ -11,11 +11,18 @@ process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes to ``JO
   the proxies' multi-process layouts (``cpu-dp2``, ``cpu-tp2``, ...) train on CPU with gloo.
 - ``slurm``: ``--nodes`` x ``--gpus-per-node`` must equal the layout's GPUs (default: 4 GPUs per node for GB300
   layouts, the NVL72 compute tray; 8 otherwise), ``--account`` is required; container image (default the
-  NeMo 26.02 image), mounts, time, partition and the environment Megatron needs (:data:`MEGATRON_ENV`). The
-  code travels as NeMo-Run's ``GitArchivePackager`` makes it (``git archive`` of this checkout's HEAD,
-  unpacked at ``/nemo_run/code``, the container's working directory), or not at all with ``--packager none``
-  (an image or mount that has the package installed). ``--dryrun`` prints the sbatch script NeMo-Run
-  generates and submits nothing.
+  NeMo 26.02 image; ``none``: the current Python environment, for clusters without pyxis/enroot), mounts,
+  time, partition and the environment Megatron needs (:data:`MEGATRON_ENV`). ``srun`` starts one process per
+  rank (NeMo-Run's launcher ``None``; ranks from ``SLURM_PROCID``, ``bridge_ext.slurm``): Slurm's signals reach
+  every rank directly, not a torchrun agent that would kill its workers 30 s after its own SIGTERM. The job
+  asks for SIGTERM ``--stop-before`` seconds before its time limit; the run saves and exits 0, and with
+  ``--requeue`` the job requeues itself and resumes. The code travels as NeMo-Run's ``GitArchivePackager``
+  makes it (``git archive`` of this checkout's HEAD, unpacked at ``/nemo_run/code``, the working directory),
+  or not at all with ``--packager none`` (an image, mount or environment that has the package installed).
+  The job's script, logs and code live under ``JOB_DIR/experiments/`` (NeMo-Run's home is the job
+  directory, so the script it writes is the one it submits). ``--dryrun`` prints the sbatch script NeMo-Run
+  generates and submits nothing. Before anything is written, ``sbatch --test-only`` asks the scheduler
+  whether it accepts the request (``bridge_ext.slurm.preflight``).
 
 Bad input (a node count that does not hold the layout, a missing account) is a ``UserError`` from
 :func:`check_launch`, before anything is built or written. The options are ``nemo llm pretrain``'s
@@ -61,7 +68,9 @@ class LaunchOptions:
     account: str | None = None  # slurm: required
     partition: str | None = None
     time: str = "04:00:00"
-    container_image: str = CONTAINER_IMAGE
+    stop_before: int | None = None  # slurm: SIGTERM this long before the time limit (default: stop_seconds)
+    requeue: bool = False  # slurm: a run stopped on SIGTERM requeues its job, which resumes from the save
+    container_image: str = CONTAINER_IMAGE  # "none": no container, the current Python environment
     container_mounts: str = ""  # comma-separated SRC:DST
     job_dir: str | None = None  # default nemo_experiments/nemo_run
     packager: Literal["git", "none"] = "git"
@@ -99,6 +108,24 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def uses_gpus(options: LaunchOptions, cluster: str) -> bool:
+    """Whether the ranks run on GPUs (the proxies' ``cpu*`` layouts and ``--device cpu`` do not)."""
+    return not cluster.startswith("cpu") and options.device != "cpu"
+
+
+def container(options: LaunchOptions) -> str | None:
+    """The Slurm container image, or None (``--container-image none``)."""
+    return None if options.container_image.lower() == "none" else options.container_image
+
+
+def stop_seconds(options: LaunchOptions) -> int:
+    """Seconds before the Slurm time limit that the job asks for SIGTERM: ``--stop-before``, else 300 (a large
+    model's save) or a tenth of ``--time`` where that is shorter."""
+    from bridge_ext.slurm import parse_time
+
+    return options.stop_before or min(300, parse_time(options.time) // 10)
+
+
 def check_launch(options: LaunchOptions, *, gpus: int, cluster: str) -> tuple[int, int]:
     """(nodes, processes per node) for a layout of ``gpus`` on ``cluster``; ``UserError`` for what cannot run it."""
     if options.executor == "local":
@@ -121,6 +148,14 @@ def check_launch(options: LaunchOptions, *, gpus: int, cluster: str) -> tuple[in
 def _slurm_shape(options: LaunchOptions, gpus: int, cluster: str) -> tuple[int, int]:
     if not options.account:
         raise UserError("--executor slurm needs --account (the Slurm account to charge)")
+    from bridge_ext.slurm import parse_time
+
+    limit = parse_time(options.time)
+    if options.stop_before is not None and not 0 < options.stop_before < limit:
+        raise UserError(f"--stop-before {options.stop_before} s must be above 0 and below --time {options.time} "
+                        f"({limit} s): the run stops that long before the limit to save")
+    if container(options) is None and options.container_mounts:
+        raise UserError("--container-mounts needs a container image (--container-image none runs without one)")
     per_node = options.gpus_per_node or min(gpus_per_node(cluster), gpus)
     nodes = options.nodes or -(-gpus // per_node)
     if nodes < 1 or per_node < 1 or nodes * per_node != gpus:
@@ -139,7 +174,7 @@ def _task_args(options: LaunchOptions, recipe: Any, layout: str, config: str) ->
     return out
 
 
-def _executor(options: LaunchOptions, nodes: int, per_node: int, job_dir: Path) -> Any:
+def _executor(options: LaunchOptions, nodes: int, per_node: int, job_dir: Path, home: Path, gpus: bool) -> Any:
     import nemo_run as run
 
     env = {**_pairs(options.env, "--env")}
@@ -149,83 +184,137 @@ def _executor(options: LaunchOptions, nodes: int, per_node: int, job_dir: Path) 
         # torchrun and python of this interpreter's environment, activated or not
         env.setdefault("PATH", os.pathsep.join(filter(None, (str(Path(sys.executable).parent), os.environ.get("PATH")))))
         return run.LocalExecutor(ntasks_per_node=per_node, launcher="torchrun", env_vars=env)
+    from bridge_ext.slurm import RANKS_FROM, setup_lines
+
     mounts = [m for m in options.container_mounts.split(",") if m]
     for mount in mounts:
         if ":" not in mount:
             raise UserError(f"--container-mounts entry '{mount}' is not SRC:DST")
     packager = run.GitArchivePackager(basepath=str(ROOT)) if options.packager == "git" else run.Packager()
-    executor = run.SlurmExecutor(
+    # NeMo-Run's home is the job directory (launch()): its LocalTunnel then submits the script NeMo-Run wrote
+    return run.SlurmExecutor(
         account=options.account, partition=options.partition, nodes=nodes, ntasks_per_node=per_node,
-        gpus_per_node=per_node, time=options.time, container_image=options.container_image, container_mounts=mounts,
-        env_vars={**MEGATRON_ENV, **env}, tunnel=run.LocalTunnel(job_dir=str(job_dir)), packager=packager,
+        gpus_per_node=per_node if gpus else None, time=options.time, container_image=container(options),
+        container_mounts=mounts, env_vars={**MEGATRON_ENV, RANKS_FROM: "slurm", **env},
+        tunnel=run.LocalTunnel(job_dir=str(home / "experiments")), packager=packager,
+        signal=f"TERM@{stop_seconds(options)}",
+        setup_lines=setup_lines(requeue_dir=job_dir if options.requeue else None),
         additional_parameters=_pairs(options.sbatch, "--sbatch") or None)
-    executor.launcher = "torchrun"
-    return executor
 
 
-def launch(options: LaunchOptions, *, recipe: Any, layout: str, config_yaml: str, nodes: int, per_node: int) -> int:
+def sbatch_options(options: LaunchOptions, *, nodes: int, per_node: int, gpus: bool) -> list[str]:
+    """The resource request as ``sbatch`` options (what :func:`bridge_ext.slurm.preflight` asks Slurm about)."""
+    out = [f"--account={options.account}", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+           f"--time={options.time}"]
+    out += [f"--partition={options.partition}"] if options.partition else []
+    out += [f"--gpus-per-node={per_node}"] if gpus else []
+    return out + [f"--{key}={value}" for key, value in _pairs(options.sbatch, "--sbatch").items()]
+
+
+def launch(options: LaunchOptions, *, recipe: Any, layout: str, config_yaml: str, nodes: int, per_node: int,
+           save_dir: str | None = None) -> int:
     """Run (or, ``options.dryrun``, show) ``recipe`` on ``layout`` through NeMo-Run with ``config_yaml``, the
-    resolved and validated config; ``nodes`` x ``per_node`` from :func:`check_launch`. Returns the exit code."""
-    job_dir = Path(options.job_dir or "nemo_experiments/nemo_run").resolve()
-    # The config travels as a file in the job directory (a path the nodes see), mounted read-only on Slurm.
+    resolved and validated config; ``nodes`` x ``per_node`` from :func:`check_launch`; ``save_dir``: the run's
+    ``checkpoint.save`` (said where the job's results land). Returns the exit code."""
+    import tempfile
     import time
 
+    job_dir = Path(options.job_dir or "nemo_experiments/nemo_run").resolve()
+    slurm = options.executor == "slurm"
+    gpus = uses_gpus(options, layout)
+    if slurm and not options.dryrun:  # the scheduler's answer before anything is written
+        from bridge_ext.slurm import preflight
+
+        preflight(job_dir=job_dir, sbatch_options=sbatch_options(options, nodes=nodes, per_node=per_node, gpus=gpus))
+    # The config travels as a file in the job directory (a path the nodes see), mounted read-only in a container.
     configs = job_dir / "configs"
     config_file = configs / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.yaml"
-    config = f"{CONFIG_MOUNT}/{config_file.name}" if options.executor == "slurm" else str(config_file)
+    in_container = slurm and container(options) is not None
+    config = f"{CONFIG_MOUNT}/{config_file.name}" if in_container else str(config_file)
+    # NeMo-Run keeps an experiment's metadata, script and logs in its home: the job directory (a dry run: a
+    # temporary one, removed after; it leaves nothing behind)
+    home = Path(tempfile.mkdtemp(prefix="nemo_run_dryrun_")) if options.dryrun else job_dir
     from rich.console import Console
 
     with Console(stderr=True).status("NeMo-Run: preparing the job ..."):
         import nemo_run as run
 
-        executor = _executor(options, nodes, per_node, job_dir)
-    if options.executor == "slurm":
+        from bridge_ext.patching import apply
+
+        apply("launch")
+        executor = _executor(options, nodes, per_node, job_dir, home, gpus)
+    if in_container:
         executor.container_mounts.append(f"{configs}:{CONFIG_MOUNT}:ro")
-    task = run.Script(path="bridge_ext.commands", m=True, entrypoint="python",
+    # without a container the ranks run this environment's Python (its bin/ need not be on the nodes' PATH)
+    entrypoint = "python" if in_container or not slurm else sys.executable
+    task = run.Script(path="bridge_ext.commands", m=True, entrypoint=entrypoint,
                       args=_task_args(options, recipe, layout, config))
     from nemo_run.config import get_nemorun_home, set_nemorun_home
 
-    home, temporary = get_nemorun_home(), None
-    if options.dryrun:  # NeMo-Run keeps experiment metadata in its home: a dry run leaves nothing behind
-        import tempfile
-
-        temporary = tempfile.mkdtemp(prefix="nemo_run_dryrun_")
-        set_nemorun_home(temporary)
-    else:
+    previous_home = get_nemorun_home()
+    set_nemorun_home(str(home))
+    if not options.dryrun:
         configs.mkdir(parents=True, exist_ok=True)
         _write_new(config_file, config_yaml)
         print(f"config: {config_file} (the resolved, validated YAML; `--to-yaml` writes the same)", file=sys.stderr)
-        if options.executor == "local":  # the local run's logs next to its config
-            set_nemorun_home(str(job_dir))
-    state, script, local = None, None, None
+    state, script, local, submitted = None, None, None, None
     import contextlib
 
     # NeMo-Run's console reports on stdout; a dry run's stdout is the script alone
     quiet = contextlib.redirect_stdout(sys.stderr) if options.dryrun else contextlib.nullcontext()
     try:
         with quiet, run.Experiment(recipe.name, executor=executor, log_level="WARN") as exp:
-            exp.add(task, name=recipe.name, tail_logs=options.executor == "local" and not options.dryrun)
+            exp.add(task, name=recipe.name, tail_logs=not slurm and not options.dryrun)
             job = exp.jobs[0]
             if options.dryrun:
                 exp.dryrun(log=False)
                 script = _dryrun_text(job, options.executor)
-            elif options.executor == "slurm":  # submit and return: Slurm runs it
-                exp.run(detach=True)
+            elif slurm:  # submit and return: Slurm runs it
+                _submit(exp)
+                submitted = job
             else:
                 exp.run(sequential=True, detach=False, tail_logs=True)
                 local = job  # the experiment waits for it when the block ends
         if local is not None:
             state = local.state  # what torchx reported when the processes ended (Experiment.status: UNKNOWN locally)
     finally:
-        set_nemorun_home(home)
-        if temporary:
+        set_nemorun_home(previous_home)
+        if options.dryrun:
             import shutil
 
-            shutil.rmtree(temporary, ignore_errors=True)
+            shutil.rmtree(home, ignore_errors=True)
     if script is not None:
         print(script, end="")
         return 0
+    if submitted is not None:
+        _say_submitted(submitted, save_dir=save_dir, requeue=options.requeue)
+        return 0
     return _exit_code(state)
+
+
+def _submit(exp: Any) -> None:
+    """``exp.run(detach=True)``; sbatch's refusal (the request changed since the preflight) as one line."""
+    from invoke.exceptions import UnexpectedExit
+
+    from bridge_ext.slurm import scheduler_reason
+
+    try:
+        exp.run(detach=True)
+    except UnexpectedExit as exc:
+        raise UserError(f"Slurm refused the job: {scheduler_reason(exc.result.stderr)}") from None
+
+
+def _say_submitted(job: Any, *, save_dir: str | None, requeue: bool) -> None:
+    """The job id, how to follow it, and where its logs, checkpoints and losses land."""
+    job_id = str(job.handle).rstrip("/").rsplit("/", 1)[-1]
+    logs = Path(job.executor.job_dir)
+    lines = [f"submitted Slurm job {job_id}",
+             f"  follow:      squeue -j {job_id}   (logs: tail -f {logs}/log-*{job_id}*.out)",
+             f"  stop:        scancel --signal=TERM {job_id}   (saves, exits 0{'; requeued' if requeue else ''})",
+             f"  job files:   {logs}"]
+    if save_dir:
+        lines += [f"  checkpoints: {save_dir}", f"  losses:      {Path(save_dir) / 'losses.jsonl'} (CPU runs)"]
+    print("\n".join(lines))
 
 
 def _write_new(path: Path, text: str) -> None:

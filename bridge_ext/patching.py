@@ -30,13 +30,13 @@ __all__ = ["Area", "Patch", "Scope", "Snippet", "always", "apply", "one_of", "ow
 
 # The upstream area a patch works around (how docs/patches.md groups them).
 Area = Literal["optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "import",
-              "cpu", "rehearse"]
+              "cpu", "rehearse", "launch"]
 # When it is applied (``patches.apply(scope)``): at import of bridge_ext, on every run (stack fixes), when a
 # Muon preset is installed, for LoRA, around checkpoint saves and loads, for conversion, in CPU mode, and
 # for the duration of a dry run's validation (``patches.temporarily("dryrun")``), before user YAML is read
 # into a config (``config``), for the duration of a rank rehearsal on fake tensors (``rehearse``).
 Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun",
-                "config", "rehearse"]
+                "config", "rehearse", "launch"]
 
 
 # Code a patch relies on: one exact text, or a tuple of alternatives (:func:`one_of`).

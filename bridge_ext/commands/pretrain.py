@@ -35,7 +35,14 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     g.add_argument("--account", help="slurm: the account to charge (required)")
     g.add_argument("--partition", help="slurm: partition")
     g.add_argument("--time", default="04:00:00", help="slurm: time limit (a run saves and exits 0 on SIGTERM)")
-    g.add_argument("--container-image", default=CONTAINER_IMAGE, help=f"slurm: image (default {CONTAINER_IMAGE})")
+    g.add_argument("--stop-before", type=int, metavar="SECONDS",
+                   help="slurm: Slurm sends SIGTERM this long before --time runs out (up to 60 s earlier); the run "
+                        "finishes its iteration, saves and exits 0 (default 300, or a tenth of --time if shorter)")
+    g.add_argument("--requeue", action="store_true",
+                   help="slurm: a run stopped on SIGTERM (time limit, preemption, scancel --signal=TERM) requeues "
+                        "its job, which resumes from the save (default: the job ends; the same command resumes)")
+    g.add_argument("--container-image", default=CONTAINER_IMAGE,
+                   help=f"slurm: image (default {CONTAINER_IMAGE}); none: no container, this Python environment")
     g.add_argument("--container-mounts", default="", help="slurm: comma-separated SRC:DST mounts (data, checkpoints)")
     g.add_argument("--job-dir", help="where NeMo-Run keeps the job (configs, logs, code): a path the nodes see; "
                    "default nemo_experiments/nemo_run")
@@ -55,14 +62,21 @@ def run(args: argparse.Namespace) -> int:
     if args.dryrun or args.to_yaml:
         show_or_write(resolve(args, get=get_recipe), args)
         return 0
-    from bridge_ext.training import train
+    from bridge_ext.kill_safe import held_exit_signal
+    from bridge_ext.slurm import adopt_slurm_ranks, note_stopped_run
 
+    adopt_slurm_ranks()
+    # a SIGTERM before training starts (Slurm's time limit, a preemption) stops the run after one iteration;
     # the console: our lines and Megatron's progress; upstream's setup lines and known warnings in a log file
-    with run_console(verbose=args.verbose, device=args.device) as console:
+    with held_exit_signal(), run_console(verbose=args.verbose, device=args.device) as console:
+        from bridge_ext.training import train
+
         resolved = resolve(args, get=get_recipe)
         if console is not None:
             console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
-        train(resolved.recipe, resolved.cfg, device=args.device, data=args.data)
+        stopped = train(resolved.recipe, resolved.cfg, device=args.device, data=args.data)
+    if stopped:
+        note_stopped_run()
     return 0
 
 
@@ -77,11 +91,13 @@ def _launch(args: argparse.Namespace, get_recipe: Any) -> int:
         executor=args.executor, nodes=args.nodes, gpus_per_node=args.gpus_per_node, account=args.account,
         partition=args.partition, time=args.time, container_image=args.container_image,
         container_mounts=args.container_mounts, job_dir=args.job_dir, packager=args.packager, env=args.env,
-        sbatch=args.sbatch, device=args.device, data=args.data, dryrun=args.dryrun)
+        sbatch=args.sbatch, device=args.device, data=args.data, dryrun=args.dryrun, stop_before=args.stop_before,
+        requeue=args.requeue)
     chosen = recipe.layout(args.layout)
     nodes, per_node = check_launch(options, gpus=chosen.gpus, cluster=chosen.cluster)
     resolved = resolve(args, get=get_recipe)
     from bridge_ext.overrides import config_to_yaml
 
     return launch(options, recipe=resolved.recipe, layout=resolved.layout.cluster,
-                  config_yaml=config_to_yaml(resolved.cfg), nodes=nodes, per_node=per_node)
+                  config_yaml=config_to_yaml(resolved.cfg), nodes=nodes, per_node=per_node,
+                  save_dir=resolved.cfg.checkpoint.save)

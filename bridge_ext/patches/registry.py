@@ -18,7 +18,7 @@ from typing import Any
 
 from bridge_ext import patching
 from bridge_ext.cpu import patches as cpu
-from bridge_ext.patches import (checkpointing, conversion, import_time, optimizer, optimizer_fields,
+from bridge_ext.patches import (checkpointing, conversion, import_time, launch, optimizer, optimizer_fields,
                                  rehearse, tensor_parallel, training, transformer)
 from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
@@ -36,12 +36,13 @@ REGISTRY: tuple[Patch, ...] = (
     *conversion.PATCHES,
     *cpu.PATCHES,
     *rehearse.PATCHES,
+    *launch.PATCHES,
 )
 
 # What a refusal names: the scope's part of the package.
 _WHAT: dict[str, str] = {"cpu": "CPU mode", "stack": "the stack fixes", "muon": "the Muon patches",
                          "checkpointing": "the checkpointing patches", "conversion": "the conversion patches",
-                         "rehearse": "the rehearsal patches"}
+                         "rehearse": "the rehearsal patches", "launch": "the launch patches"}
 
 _applied: dict[str, Patch] = {}
 
