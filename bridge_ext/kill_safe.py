@@ -348,8 +348,14 @@ def graceful_stop():
 
 # ------------------------------------------------------------------------------------------ helper processes
 def exit_with_parent(parent_pid: int | None = None) -> None:
-    """In a helper process: be killed when the process that started it dies (Linux ``PR_SET_PDEATHSIG``)."""
+    """In a helper process: be killed when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), and
+    ignore SIGTERM: Slurm sends it to every process of a job step (a time limit, ``scancel --signal=TERM``), and a
+    save helper or data worker that died of it failed the save the trainer then made (the trainer decides; its
+    helpers end with it)."""
     import ctypes
+
+    if _in_main_thread():  # the only thread that may set a handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -24,8 +24,8 @@ process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes to ``JO
   generates and submits nothing. Before anything is written, ``sbatch --test-only`` asks the scheduler
   whether it accepts the request (``bridge_ext.slurm.preflight``).
 
-Bad input (a node count that does not hold the layout, a missing account) is a ``UserError`` from
-:func:`check_launch`, before anything is built or written. The options are ``nemo llm pretrain``'s
+Bad input (a node count that does not hold the layout, a missing account, what the Slurm scheduler refuses)
+is a ``UserError`` from :func:`check_launch`, before anything is built or written. The options are ``nemo llm pretrain``'s
 (``bridge_ext.commands.pretrain``), as a :class:`LaunchOptions`.
 """
 
@@ -142,7 +142,16 @@ def check_launch(options: LaunchOptions, *, gpus: int, cluster: str) -> tuple[in
     else:
         nodes, per_node = _slurm_shape(options, gpus, cluster)
     _pairs(options.env, "--env"), _pairs(options.sbatch, "--sbatch")  # bad pairs fail before the slow part
+    if options.executor == "slurm" and not options.dryrun:  # the scheduler's answer before anything is built
+        from bridge_ext.slurm import preflight
+
+        preflight(job_dir=job_directory(options), sbatch_options=sbatch_options(
+            options, nodes=nodes, per_node=per_node, gpus=uses_gpus(options, cluster)))
     return nodes, per_node
+
+
+def job_directory(options: LaunchOptions) -> Path:
+    return Path(options.job_dir or "nemo_experiments/nemo_run").resolve()
 
 
 def _slurm_shape(options: LaunchOptions, gpus: int, cluster: str) -> tuple[int, int]:
@@ -156,7 +165,10 @@ def _slurm_shape(options: LaunchOptions, gpus: int, cluster: str) -> tuple[int, 
                         f"({limit} s): the run stops that long before the limit to save")
     if container(options) is None and options.container_mounts:
         raise UserError("--container-mounts needs a container image (--container-image none runs without one)")
-    per_node = options.gpus_per_node or min(gpus_per_node(cluster), gpus)
+    if options.gpus_per_node is None and options.nodes and gpus % options.nodes == 0:
+        per_node = gpus // options.nodes  # --nodes alone: the layout's GPUs spread evenly
+    else:
+        per_node = options.gpus_per_node or min(gpus_per_node(cluster), gpus)
     nodes = options.nodes or -(-gpus // per_node)
     if nodes < 1 or per_node < 1 or nodes * per_node != gpus:
         raise UserError(f"layout {cluster} needs {gpus} GPUs; --nodes {nodes} x --gpus-per-node {per_node} = "
@@ -219,13 +231,9 @@ def launch(options: LaunchOptions, *, recipe: Any, layout: str, config_yaml: str
     import tempfile
     import time
 
-    job_dir = Path(options.job_dir or "nemo_experiments/nemo_run").resolve()
+    job_dir = job_directory(options)
     slurm = options.executor == "slurm"
     gpus = uses_gpus(options, layout)
-    if slurm and not options.dryrun:  # the scheduler's answer before anything is written
-        from bridge_ext.slurm import preflight
-
-        preflight(job_dir=job_dir, sbatch_options=sbatch_options(options, nodes=nodes, per_node=per_node, gpus=gpus))
     # The config travels as a file in the job directory (a path the nodes see), mounted read-only in a container.
     configs = job_dir / "configs"
     config_file = configs / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.yaml"

@@ -63,11 +63,12 @@ def preflight(*, job_dir: Path, sbatch_options: list[str]) -> None:
 
 
 def scheduler_reason(stderr: str) -> str:
-    """sbatch's reason in one line (``sbatch: error: ...`` / ``allocation failure: ...``, the last one given)."""
+    """sbatch's reason in one line (``sbatch: error: ...`` / ``allocation failure: ...``: the first, the most
+    specific: "invalid partition specified: NAME" before "Invalid partition name specified")."""
     lines = [re.sub(r"^(sbatch: error: |allocation failure: |Batch job submission failed: )+", "", line.strip())
              for line in stderr.splitlines() if line.strip()]
     reasons = [line for line in lines if line]
-    return reasons[-1] if reasons else "sbatch failed without a message"
+    return reasons[0] if reasons else "sbatch failed without a message"
 
 
 def _check_writable(job_dir: Path) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 
 from tests.nemo_cli import call_nemo
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +36,37 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``heavy`` or ``matrix`` (minutes each) run first: pytest-xdist hands tests out in collection
     order, so such a test collected last would leave one worker running it alone at the end of the suite."""
     items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in ("heavy", "matrix")))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm cluster on this machine (tests/slurm/cluster.sh: two nodes, partition ``cpu``), up while any
+    test process of the session uses it: the first user starts it, the last one stops it (a file lock and a
+    count, for pytest-xdist's workers). Yields the environment that points Slurm's commands at it."""
+    import os
+    import subprocess
+
+    from filelock import FileLock
+
+    script = ROOT / "tests" / "slurm" / "cluster.sh"
+    state = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/bridge-ext-slurm"))
+    state.mkdir(parents=True, exist_ok=True)
+    users = state / "pytest-users"
+
+    def count(delta: int) -> int:
+        value = max(0, int(users.read_text() or 0) if users.exists() else 0) + delta
+        users.write_text(str(value))
+        return value
+
+    with FileLock(str(state / "pytest.lock")):
+        count(+1)
+        up = subprocess.run([script, "up"], capture_output=True, text=True)  # idempotent: a cluster that is up stays
+        if up.returncode != 0:
+            count(-1)
+            pytest.fail(f"the test Slurm cluster did not come up: {up.stderr.strip()}", pytrace=False)
+    try:
+        yield {"SLURM_CONF": str(state / "slurm.conf")}
+    finally:
+        with FileLock(str(state / "pytest.lock")):
+            if count(-1) == 0:
+                subprocess.run([script, "down"], capture_output=True, text=True)

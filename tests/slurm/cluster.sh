@@ -101,7 +101,7 @@ up() {
   chmod 755 "$DIR"
   install_packages
   start_munge
-  write_conf
+  alive "$DIR/run/slurmctld.pid" || write_conf  # the running daemons keep the file they read
   export SLURM_CONF=$CONF
   alive "$DIR/run/slurmctld.pid" || /usr/sbin/slurmctld -f "$CONF" -i || die "slurmctld did not start: $DIR/log/slurmctld.log"
   for node in "${NODES[@]}"; do
