@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 from bridge_ext.errors import UserError
 
-__all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "gpus_per_node", "launch"]
+__all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "container", "gpus_per_node",
+           "job_directory", "launch", "sbatch_options", "stop_seconds", "uses_gpus"]
 
 Executor = Literal["local", "slurm"]
 EXECUTORS: tuple[Executor, ...] = ("local", "slurm")

@@ -27,7 +27,7 @@ from pathlib import Path
 from bridge_ext.errors import UserError
 
 __all__ = ["RANKS_FROM", "REQUEUE_FILE", "adopt_slurm_ranks", "note_stopped_run", "parse_time", "preflight",
-           "setup_lines"]
+           "scheduler_reason", "setup_lines"]
 
 RANKS_FROM = "BRIDGE_EXT_RANKS_FROM"  # "slurm": the launch started one process per rank with srun
 REQUEUE_FILE = "BRIDGE_EXT_REQUEUE_FILE"  # where rank 0 notes a run that stopped on its signal (--requeue)

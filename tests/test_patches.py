@@ -66,7 +66,9 @@ TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT = {f"tp-weight-attributes-without-init ({cls
 SFT_RESUME_OFFSET_EVERY_EPOCH = {"sft-epochs-after-resume-from-the-start"}
 APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requirements/lock-*.txt -> patches
     # 26.02 container: 0.16's Muon calls already match emerging-optimizers 0.1.0; MB 0.3.0 does not cap
+    # NeMo-Run 0.8.0 writes pyxis flags without a container image (0.9.0 writes --chdir)
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
+                         "slurm-without-container",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
                          *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with

@@ -142,8 +142,8 @@ def table() -> list[dict[str, str]]:
     return rows
 
 
-_AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "cpu",
-          "rehearse")
+_AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "launch",
+          "cpu", "rehearse")
 
 
 def markdown() -> str:
