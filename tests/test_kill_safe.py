@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -326,3 +327,38 @@ def check_export(nemo, run: Path, tmp_path: Path) -> None:
     assert exported.code == 0, exported.stderr[-3000:]
     assert f"iteration 2 from {run / 'iter_0000002'}" in exported.stdout + exported.stderr
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["setting up", "training"])
+def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
+    """As Slurm signals a job step (its time limit, `scancel --signal=TERM`): SIGTERM to the command's whole
+    process group, helpers included. "setting up": after the "CPU mode" line, before the first iteration: the
+    signal is held until training starts, the run stops after iteration 1. "training": once iteration 2 is
+    recorded (the checkpoint writer's Manager and its resource tracker are running, and get the signal too).
+    Either way the run saves, exits 0, and no process of it outlives it."""
+    import signal
+
+    run = tmp_path / "run"
+    proc = start_nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "train.train_iters=200",
+                       "logger.log_interval=1", f"checkpoint.save={run}", f"checkpoint.load={run}"], cwd=tmp_path,
+                      env={"PYTHONWARNINGS": "ignore"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if moment == "setting up" and line.startswith("CPU mode:") or \
+                moment == "training" and len(losses(run / "losses.jsonl")) >= 2:
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    log = "".join(lines)
+    assert proc.wait(timeout=300) == 0, log[-3000:]
+    stopped = int(re.search(rf"stopped on SIGTERM at iteration (\d+), saved to {run}", log).group(1))
+    assert stopped == 1 if moment == "setting up" else 2 <= stopped < 200, log[-3000:]
+    assert [it for it, _ in losses(run / "losses.jsonl")] == list(range(1, stopped + 1))
+    assert read_tracker(run)[0] == stopped
+    deadline = time.monotonic() + 20
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert session_processes(proc.pid) == []

@@ -160,6 +160,8 @@ def test_submitted_runs_and_stopped_requeued_runs_equal_the_one_process_run(on_c
 
 @pytest.mark.parametrize("options, message", [
     (["--partition", "nosuch"], "Slurm refuses the job: invalid partition specified: nosuch"),
+    (["--partition", "cpu", "--account", "nosuch"],  # the cluster enforces accounts (slurmdbd associations)
+     "Slurm refuses the job: Invalid account or account/partition combination specified"),
     (["--partition", "cpu", "--time", "02:00:00"],
      "Slurm refuses the job: Requested time limit is invalid (missing or exceeds some limit)"),
     (["--partition", "cpu", "--nodes", "3", "--gpus-per-node", "1"], "needs 2 GPUs; --nodes 3 x --gpus-per-node 1"),

@@ -164,7 +164,7 @@ EOF
   done
 }
 
-# the association root/tests on cluster bridgeext; slurmctld registers with slurmdbd only once the cluster exists
+# the association root/tests on cluster bridgeext, in place before slurmctld first registers with slurmdbd
 register_accounts() {
   local log=$DIR/log/sacctmgr.log
   [ -n "$(sacctmgr -n -P list cluster bridgeext format=cluster)" ] \
@@ -203,19 +203,26 @@ up() {
   echo "export SLURM_CONF=$CONF"
 }
 
-down() {
-  local pidfile pid
-  for pidfile in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" "$DIR/run/mariadbd.pid" \
-                 "$DIR/munge/munged.pid"; do
-    [ -f "$pidfile" ] || continue
-    pid=$(cat "$pidfile")
-    if kill -0 "$pid" 2>/dev/null; then
-      kill "$pid"
-      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-    fi
+# stop_group PIDFILE...: SIGTERM to each (by its pid file), then wait for all of them (SIGKILL after 10 s)
+stop_group() {
+  local pidfile pid pids=()
+  for pidfile in "$@"; do
+    pid=$(cat "$pidfile" 2>/dev/null) || continue  # a daemon removes its pid file as it exits
+    if kill "$pid" 2>/dev/null; then pids+=("$pid"); fi
     rm -f "$pidfile"
   done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+  done
+  return 0
+}
+
+# the daemons in waves, each after those that talk to it: slurmd + slurmctld, slurmdbd, then its database and munge
+down() {
+  stop_group "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"
+  stop_group "$DIR/run/slurmdbd.pid"
+  stop_group "$DIR/run/mariadbd.pid" "$DIR/munge/munged.pid"
   say "down"
 }
 
