@@ -220,7 +220,7 @@ def prepare_resume(cfg: Any) -> str | None:
     from but a tracker, when ``checkpoint.ckpt_step`` names an incomplete iteration, or when the
     ``checkpoint.pretrained_checkpoint`` a fresh run starts from names one (it has no ``ckpt_step``).
     """
-    from bridge_ext.checkpoints import iteration_dir, missing_files, read_tracker, resume_point
+    from bridge_ext.checkpoints import iteration_dir, missing_files, read_tracker, resume_point, vet_checkpoint
     from bridge_ext.errors import UserError
 
     _saved.clear()
@@ -240,6 +240,7 @@ def prepare_resume(cfg: Any) -> str | None:
         if missing:
             raise UserError(f"checkpoint.ckpt_step={ckpt.ckpt_step}: iteration {ckpt.ckpt_step} in {ckpt.load} is "
                             f"incomplete (missing {', '.join(missing)})")
+        vet_checkpoint(iteration_dir(ckpt.load, ckpt.ckpt_step), ckpt.load)
         return None
     point = resume_point(ckpt.load)
     if point.iteration is not None and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save):

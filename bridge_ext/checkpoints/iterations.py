@@ -9,6 +9,10 @@ Megatron-LM's ``latest_checkpointed_iteration.txt`` (``training/checkpointing.py
 the iteration is complete and flushed; an iteration the tracker names but that lacks a file (a save made
 without it, a copy cut short) makes the run fall back to the newest complete iteration before it.
 
+The iteration chosen is vetted before anything loads it: every pickle in it (and the root's) names only
+classes legitimate checkpoints hold (:mod:`~bridge_ext.checkpoints.pickles`), so a checkpoint from someone else
+runs no code in export or resume.
+
 Imports nothing heavy at module level (torch only to read ``latest_train_state.pt``).
 """
 
@@ -19,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from bridge_ext.checkpoints.pickles import vet_checkpoint
 from bridge_ext.errors import UserError
 from bridge_ext.stack import common_state_inside_checkpoint
 
@@ -123,12 +128,14 @@ def resume_point(root: str | Path) -> ResumePoint:
         return ResumePoint(None, None)
     missing = missing_files(iteration_dir(root, tracker))
     if not missing:
+        vet_checkpoint(iteration_dir(root, tracker), root)
         return ResumePoint(tracker, tracker, note)
     what = f"iteration {tracker} in {root} is incomplete (missing {', '.join(missing)})"
     older = [n for n, path in iterations(root).items() if n < tracker and is_complete(path)]
     if not older:
         raise UserError(f"{what} and no earlier iteration is complete; nothing to resume from (move {root} "
                         "away to start afresh)")
+    vet_checkpoint(iteration_dir(root, older[-1]), root)
     return ResumePoint(older[-1], tracker, f"{what}; using iteration {older[-1]}, the newest complete one")
 
 
@@ -151,6 +158,7 @@ def find_iteration(ckpt: str | Path, iteration: int | None = None) -> tuple[Path
         missing = missing_files(ckpt)
         if missing:
             raise UserError(f"--ckpt {ckpt} is incomplete (missing {', '.join(missing)}); a save was interrupted")
+        vet_checkpoint(ckpt, ckpt.parent)
         return ckpt, number
     found = iterations(ckpt)
     complete = [n for n, path in found.items() if is_complete(path)]
@@ -164,6 +172,7 @@ def find_iteration(ckpt: str | Path, iteration: int | None = None) -> tuple[Path
         if missing:
             raise UserError(f"--iteration {iteration} in {ckpt} is incomplete (missing {', '.join(missing)}); "
                             f"complete: {', '.join(str(n) for n in complete[-8:]) or 'none'}")
+        vet_checkpoint(found[iteration], ckpt)
         return found[iteration], iteration
     point = resume_point(ckpt)
     if point.iteration is None:
