@@ -17,6 +17,7 @@ every layout): torch DCP's metadata dataclasses and enums, ``torch.Size``, dtype
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import zipfile
@@ -86,10 +87,15 @@ class _Refused(Exception):
     pass
 
 
+@functools.cache
+def _stand_in(module: str, name: str) -> type:
+    return type(name, (_Inert,), {"__module__": module})
+
+
 class _Vetting(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED or _torch_type(module, name):
-            return type(name, (_Inert,), {})
+            return _stand_in(module, name)
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:  # torch.save's storages: their bytes are not read
