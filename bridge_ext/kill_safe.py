@@ -295,6 +295,9 @@ def held_exit_signal(sig: int = signal.SIGTERM):
         yield
     finally:
         if _holds.pop(sig, None) is hold:
+            if hold.received:  # the run ended before training started (an error, or nothing to train)
+                print(f"{signal.Signals(sig).name} came before training started: the run ends, nothing saved",
+                      file=sys.stderr, flush=True)
             hold.release(sig)
 
 
@@ -306,13 +309,21 @@ def _in_main_thread() -> bool:
 
 def graceful_stop():
     """A Megatron Bridge callback that installs ``state.signal_handler`` when training starts (and removes it
-    when the run ends, :meth:`release`). Repeated signals during the save are absorbed; SIGKILL still stops."""
+    when the run ends, :meth:`release`). Repeated signals during the save are absorbed; SIGKILL still stops.
+
+    The signal itself is only noted; upstream's handler (which prints) is called at the end of the training
+    step, before Megatron Bridge checks it (``train.py``: ``on_train_step_end`` fires before
+    ``checkpoint_and_decide_exit``). Called from the signal, its print met a write of the same stream that the
+    signal interrupted (our console routes output through Python): "RuntimeError: reentrant call inside
+    BufferedWriter", and the run died instead of saving."""
     from megatron.bridge.training.callbacks import Callback
 
     class GracefulStop(Callback):
         handler: Any = None
-
-        received = False  # whether the exit signal came (the run then stops early, on purpose)
+        upstream: Any = None  # upstream's handler, called from on_train_step_end
+        sig: int | None = None
+        came = False  # the exit signal arrived (set in the signal handler: nothing else happens there)
+        received = False  # upstream was told: the run stops after this step, on purpose
 
         def on_train_start(self, context: Any) -> None:
             if not context.state.cfg.train.exit_signal_handler:
@@ -327,17 +338,21 @@ def graceful_stop():
             if "DistributedSignalHandler" not in getattr(current, "__qualname__", ""):  # not installed yet
                 handler.__enter__()
                 self.handler = handler
-            upstream = signal.getsignal(handler.sig)
+            self.upstream, self.sig = signal.getsignal(handler.sig), handler.sig
 
             def note(signum: int, frame: Any) -> None:
-                self.received = True
-                upstream(signum, frame)
+                self.came = True
 
             signal.signal(handler.sig, note)
             if hold is not None and hold.received:  # it came while the run was starting: stop after one iteration
-                note(handler.sig, None)
+                self.came = True
             for sig in list(_holds):  # another signal held (the config stops on a different one): released
                 _holds.pop(sig).release(sig)
+
+        def on_train_step_end(self, context: Any) -> None:
+            if self.came and not self.received:
+                self.received = True
+                self.upstream(self.sig, None)
 
         def release(self) -> None:
             if self.handler is not None:
@@ -376,7 +391,8 @@ def _results_server(parent_pid: int) -> None:
     ``torch.distributed.checkpoint.storage``, or a half-initialised ``torch`` that aborted the server).
     The trainer's ``manager.start()`` waits for it, once, when the run starts.
     """
-    exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)  # ignores SIGTERM from here on
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the trainer while this started
     importlib.import_module("torch.distributed.checkpoint")
 
 
@@ -428,6 +444,18 @@ def start_results_server() -> None:
     # PR_SET_PDEATHSIG fires when the creating *thread* ends: only start it from the main thread
     if writer._results_queue is None and threading.current_thread() is threading.main_thread():
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_results_server, initargs=(os.getpid(),))
+        # SIGTERM blocked while the server process starts (the mask survives fork and exec): Slurm signals every
+        # process of the step, and one that landed before the server's initializer ignores it killed the server,
+        # and with it the run (manager.start() failed); here it stays pending until the trainer unblocks it
+        # (the resource tracker first: starting it unblocks SIGTERM again, multiprocessing/resource_tracker.py
+        # ensure_running, which the server's start would otherwise call after our block)
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            manager.start(initializer=_results_server, initargs=(os.getpid(),))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         _managers.append(manager)  # a collected manager shuts its server down
         writer._results_queue = manager.Queue()

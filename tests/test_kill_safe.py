@@ -338,11 +338,25 @@ def check_export(nemo, run: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("moment", ["setting up", "training"])
 def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     """As Slurm signals a job step (its time limit, `scancel --signal=TERM`): SIGTERM to the command's whole
-    process group, helpers included. "setting up": after the "CPU mode" line, before the first iteration: the
-    signal is held until training starts, the run stops after iteration 1. "training": once iteration 2 is
-    recorded (the checkpoint writer's Manager and its resource tracker are running, and get the signal too).
+    process group, helpers included. "setting up": from the "CPU mode" line until the first loss is recorded,
+    every 50 ms (whatever starts meanwhile gets it: the checkpoint writer's Manager, spawned, before its
+    initializer ran, killed the run this way under Slurm): held until training starts, the run stops after
+    iteration 1. "training": once iteration 2 is recorded (the Manager and its resource tracker are running).
     Either way the run saves, exits 0, and no process of it outlives it."""
     import signal
+    import threading
+
+    spraying = threading.Event()
+
+    def spray():
+        while spraying.is_set():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            if losses(run / "losses.jsonl"):
+                return
+            time.sleep(0.05)
 
     run = tmp_path / "run"
     proc = start_nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "train.train_iters=200",
@@ -352,11 +366,15 @@ def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if moment == "setting up" and line.startswith("CPU mode:") or \
-                moment == "training" and len(losses(run / "losses.jsonl")) >= 2:
+        if moment == "setting up" and line.startswith("CPU mode:"):
+            spraying.set()
+            threading.Thread(target=spray, daemon=True).start()
+            break
+        if moment == "training" and len(losses(run / "losses.jsonl")) >= 2:
             os.killpg(proc.pid, signal.SIGTERM)
             break
     lines += proc.stdout.readlines()
+    spraying.clear()
     log = "".join(lines)
     assert proc.wait(timeout=300) == 0, log[-3000:]
     stopped = int(re.search(rf"stopped on SIGTERM at iteration (\d+), saved to {run}", log).group(1))

@@ -2,8 +2,7 @@
 
 Megatron checkpoints hold pickles: torch DCP's ``.metadata`` (``FileSystemReader.read_metadata`` reads it with a
 plain ``pickle.load``: a planted one runs its code in export and resume), ``torch.save`` files (``common.pt``,
-``train_state.pt``, the trackers, the layer-wise optimizer's ``layer_wise_optimizer_<rank>.pt``; their pickle is
-the zip's ``*/data.pkl``). :func:`vet_checkpoint` reads each of them with Python's C unpickler before anything
+``train_state.pt``, the tracker ``latest_train_state.pt``; their pickle is the zip's ``*/data.pkl``). :func:`vet_checkpoint` reads each of them with Python's C unpickler before anything
 else does, with ``find_class`` answering only what the allow-list names and returning an inert stand-in even
 then (so not even an allowed class runs), and ``persistent_load`` never touching tensor data: the cost is the
 pickles' size (megabytes), not the weights'. A global outside the list is one ``UserError`` naming the file and
@@ -127,13 +126,19 @@ def _vet_stream(stream: Any, path: Path, member: str) -> None:
                         "is damaged") from None
 
 
+# The root's pickle a load reads: Megatron Bridge's tracker. Not the layer-wise optimizer's per-rank
+# ``layer_wise_optimizer_<dp rank>.pt`` that megatron-bridge 0.3 also writes there on every save: with torch_dist
+# it is never loaded (0.6 writes it for local checkpoints only), and a running save rewrites it in place.
+_ROOT_PICKLES = ("latest_train_state.pt",)
+
+
 def pickle_files(iter_dir: Path, root: Path | None = None) -> list[Path]:
-    """The pickles a load of ``iter_dir`` reads: its ``.metadata`` and ``*.pt`` (any depth), and the root's
-    ``*.pt`` (trackers, the layer-wise optimizer's per-rank files)."""
+    """The pickles a load of ``iter_dir`` reads: its ``.metadata``, ``*.pt`` and ``*.pkl`` (any depth), and the
+    root's tracker."""
     files = sorted(p for p in iter_dir.rglob("*") if p.is_file() and (p.name == ".metadata" or p.suffix in
                                                                         (".pt", ".pkl")))
     if root is not None and root.is_dir() and root != iter_dir:
-        files += sorted(p for p in root.glob("*.pt") if p.is_file())
+        files += [root / name for name in _ROOT_PICKLES if (root / name).is_file()]
     return files
 
 
