@@ -391,8 +391,9 @@ def test_muon_stack_fix_passes_nesterov_and_tp_mode_through(cpu_mode):
     import torch
 
     weight = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+    # coefficient_type explicit: a recipe trained earlier in this process installed its preset's set as the default
     opt = _muon_with_own_names([weight], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0,
-                               num_ns_steps=5, scale_mode="spectral", tp_mode="blockwise")
+                               num_ns_steps=5, scale_mode="spectral", tp_mode="blockwise", coefficient_type="quintic")
     assert getattr(opt, "nesterov", getattr(opt, "use_nesterov", None)) is True  # 0.3.0 / 0.1.0 name
     weight.grad = torch.ones_like(weight)
     before = weight.detach().clone()
