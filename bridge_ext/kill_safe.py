@@ -38,8 +38,8 @@ from typing import Any
 from bridge_ext.runtime import write_atomic
 
 __all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
-           "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker", "start_results_server",
-           "stop_line"]
+           "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker",
+           "start_results_server", "stop_line"]
 
 
 def _rank() -> int:

@@ -25,8 +25,8 @@ process (as ``--dryrun`` does), written as the YAML ``--to-yaml`` writes to ``JO
   whether it accepts the request (``bridge_ext.slurm.preflight``).
 
 Bad input (a node count that does not hold the layout, a missing account, what the Slurm scheduler refuses)
-is a ``UserError`` from :func:`check_launch`, before anything is built or written. The options are ``nemo llm pretrain``'s
-(``bridge_ext.commands.pretrain``), as a :class:`LaunchOptions`.
+is a ``UserError`` from :func:`check_launch`, before anything is built or written. The options are
+``nemo llm pretrain``'s (``bridge_ext.commands.pretrain``), as a :class:`LaunchOptions`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from bridge_ext.errors import UserError
 
-__all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "container", "gpus_per_node",
-           "job_directory", "launch", "sbatch_options", "stop_seconds", "uses_gpus"]
+__all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "container",
+           "gpus_per_node", "job_directory", "launch", "sbatch_options", "stop_seconds", "uses_gpus"]
 
 Executor = Literal["local", "slurm"]
 EXECUTORS: tuple[Executor, ...] = ("local", "slurm")

@@ -2,11 +2,12 @@
 
 Megatron checkpoints hold pickles: torch DCP's ``.metadata`` (``FileSystemReader.read_metadata`` reads it with a
 plain ``pickle.load``: a planted one runs its code in export and resume), ``torch.save`` files (``common.pt``,
-``train_state.pt``, the tracker ``latest_train_state.pt``; their pickle is the zip's ``*/data.pkl``). :func:`vet_checkpoint` reads each of them with Python's C unpickler before anything
-else does, with ``find_class`` answering only what the allow-list names and returning an inert stand-in even
-then (so not even an allowed class runs), and ``persistent_load`` never touching tensor data: the cost is the
-pickles' size (megabytes), not the weights'. A global outside the list is one ``UserError`` naming the file and
-the class; a file that is not a readable pickle is named too.
+``train_state.pt``, the tracker ``latest_train_state.pt``; their pickle is the zip's ``*/data.pkl``).
+:func:`vet_checkpoint` reads each of them with Python's C unpickler before anything else does, with
+``find_class`` answering only what the allow-list names and returning an inert stand-in even then (so not even
+an allowed class runs), and ``persistent_load`` never touching tensor data: the cost is the pickles' size
+(megabytes), not the weights'. A global outside the list is one ``UserError`` naming the file and the class; a
+file that is not a readable pickle is named too.
 
 The list is what legitimate checkpoints of the supported stacks hold (read from the proxies' checkpoints of
 every layout): torch DCP's metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, and what
