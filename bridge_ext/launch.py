@@ -254,6 +254,8 @@ def launch(options: LaunchOptions, *, recipe: Any, layout: str, config_yaml: str
         executor = _executor(options, nodes, per_node, job_dir, home, gpus)
     if in_container:
         executor.container_mounts.append(f"{configs}:{CONFIG_MOUNT}:ro")
+        if options.requeue:  # rank 0 leaves the requeue file there: the same path inside as the job script sees
+            executor.container_mounts.append(f"{job_dir}:{job_dir}")
     # without a container the ranks run this environment's Python (its bin/ need not be on the nodes' PATH)
     entrypoint = "python" if in_container or not slurm else sys.executable
     task = run.Script(path="bridge_ext.commands", m=True, entrypoint=entrypoint,

@@ -57,6 +57,24 @@ def test_slurm_script_for_kimi_k2(kimi_sbatch):
 
 
 @pytest.mark.once
+@pytest.mark.slow
+def test_requeue_in_a_container_sees_the_job_directory(nemo, tmp_path):
+    """`--requeue` with the container: the job script's EXIT trap requeues on the file rank 0 leaves in the job
+    directory, so the container mounts that directory at the same path."""
+    job_dir = tmp_path / "jobs"
+    run = nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--layout", "cpu-dp2", "--executor", "slurm",
+                "--account", "a", "--job-dir", job_dir, "--requeue", "--time", "01:00:00", "--dryrun"], cwd=ROOT,
+               env={"NEMORUN_HOME": str(tmp_path / "home")})
+    assert run.code == 0, run.stderr[-3000:]
+    srun = next(line for line in run.stdout.splitlines() if line.startswith("srun "))
+    mounts = re.search(r"--container-mounts (\S+)", srun).group(1).split(",")
+    assert f"{job_dir}:{job_dir}" in mounts
+    assert f"export BRIDGE_EXT_REQUEUE_FILE={job_dir}/.requeue-\"$SLURM_JOB_ID\"" in run.stdout
+    assert "scontrol requeue \"$SLURM_JOB_ID\"; fi' EXIT" in run.stdout
+    assert re.search(r"^#SBATCH --signal=TERM@300$", run.stdout, re.M)  # a tenth of 1 h is more than 300 s
+
+
+@pytest.mark.once
 @pytest.mark.parametrize("argv, message", [
     (["--executor", "k8s"], "invalid choice: 'k8s'"),
     (["--executor", "slurm", "--partition", "p"], "needs --account"),
