@@ -56,8 +56,12 @@ def preflight(*, job_dir: Path, sbatch_options: list[str]) -> None:
         raise UserError("no Slurm here: `sbatch` is not on the PATH (submit from a Slurm login node, or use "
                         "--executor local)")
     _check_writable(job_dir)
-    test = subprocess.run(["sbatch", "--test-only", *sbatch_options, "--wrap", "true"], capture_output=True,
-                          text=True, timeout=60)
+    try:
+        test = subprocess.run(["sbatch", "--test-only", *sbatch_options, "--wrap", "true"], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise UserError("Slurm's controller did not answer `sbatch --test-only` within 60 s; try again, or ask "
+                        "the cluster's admins (`sinfo` shows whether it is up)") from None
     if test.returncode != 0:
         raise UserError(f"Slurm refuses the job: {scheduler_reason(test.stderr)}")
 
