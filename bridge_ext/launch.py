@@ -136,7 +136,7 @@ def check_launch(options: LaunchOptions, *, gpus: int, cluster: str) -> tuple[in
         if per_node != gpus:
             raise UserError(f"layout {cluster} needs {gpus} processes, --gpus-per-node says {per_node}")
         here = _local_gpus()
-        if not cluster.startswith("cpu") and options.device != "cpu" and here < gpus:
+        if uses_gpus(options, cluster) and here < gpus:
             raise UserError(f"layout {cluster} needs {gpus} processes with a GPU each; this machine has {here} GPUs "
                             "(use --executor slurm, a cpu-* layout, or --device cpu)")
         nodes, per_node = 1, gpus

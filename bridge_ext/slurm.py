@@ -25,6 +25,7 @@ import subprocess
 from pathlib import Path
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import is_rank_zero
 
 __all__ = ["RANKS_FROM", "REQUEUE_FILE", "adopt_slurm_ranks", "note_stopped_run", "parse_time", "preflight",
            "scheduler_reason", "setup_lines"]
@@ -118,5 +119,5 @@ def adopt_slurm_ranks() -> None:
 def note_stopped_run() -> None:
     """After a run stopped on its exit signal and saved: rank 0 leaves the file the job script's trap requeues on."""
     path = os.environ.get(REQUEUE_FILE)
-    if path and os.environ.get("RANK", "0") == "0":
+    if path and is_rank_zero():
         Path(path).write_text(f"stopped on the exit signal; job {os.environ.get('SLURM_JOB_ID', '?')}\n")
