@@ -4,6 +4,9 @@
 #
 #   bench/gpu_check.sh                 # on the GPU machine, from the repository root
 #   bench/gpu_check.sh --dry-run       # any machine: prints each step, checks every recipe and layout it names
+#   bench/gpu_check.sh --te            # the Transformer Engine path (TE specs, fp8 rows, QK-clip, round trip);
+#                                      # TE from TE_SITE (default bench/te/landed/site: bench/te/te.py install)
+#   bench/gpu_check.sh --te --dry-run  # any machine: the --te plan, each config checked without importing TE
 #   bench/gpu_check.sh --fetch-wheels  # a machine with network: bench/gpu_wheels.txt into .whl/ (for a GPU
 #                                      # machine that has PyTorch but neither the Megatron stack nor network)
 #
@@ -18,9 +21,23 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+TE=()
+if [ "${1:-}" = "--te" ]; then
+  TE=(--te)
+  shift
+  TE_SITE=${TE_SITE:-bench/te/landed/site}
+  if [ "${1:-}" != "--dry-run" ]; then
+    if [ ! -d "$TE_SITE/transformer_engine" ]; then
+      echo "error: no Transformer Engine in $TE_SITE; bench/te/te.py receive/install first (docs/launch.md)" >&2
+      exit 2
+    fi
+    export PYTHONPATH="$PWD/$TE_SITE:$PYTHONPATH" NVTE_FRAMEWORK=pytorch
+  fi
+fi
+
 case "${1:-}" in
   --dry-run)
-    exec "$PYTHON" bench/gpu_check.py --dry-run --out "$OUT" "${@:2}" ;;
+    exec "$PYTHON" bench/gpu_check.py --dry-run ${TE[@]+"${TE[@]}"} --out "$OUT" "${@:2}" ;;
   --fetch-wheels)
     mkdir -p .whl
     grep -v -e '^#' -e '^antlr4' -e '^nvidia-resiliency-ext' -e '^emerging-optimizers' bench/gpu_wheels.txt \
@@ -55,4 +72,4 @@ if ! "$PYTHON" -c "import megatron.bridge" 2>/dev/null; then
   done
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
-exec "$PYTHON" bench/gpu_check.py --out "$OUT" "$@"
+exec "$PYTHON" bench/gpu_check.py ${TE[@]+"${TE[@]}"} --out "$OUT" "$@"

@@ -46,3 +46,47 @@ def test_curve_comparison_by_hand():
     off = compare_curve([x + 2 * CURVE_MEAN_ABS_TOL for x in ref], ref)
     assert not off["match"] and off["mean_abs_diff"] == 0.1
     assert compare_curve([], ref) == {"match": False, "why": "no losses"}
+
+
+@pytest.mark.slow
+def test_te_dry_run_checks_the_te_path_without_transformer_engine(tmp_path):
+    """``--te --dry-run`` on CPU: every TE step planned (TE probe, fp8 rows, QK-clip on MLA and GQA, the round
+    trip), each config the TE spec a GPU with TE trains, the fp8 recipes Megatron Bridge has; TE never imported."""
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "gpu")}
+    run = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--te", "--dry-run"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = plan_steps(iters=50, steps=12, te=True)
+    kinds = [s["step"] for s in steps]
+    assert kinds.count("fp8") == 4 and kinds.count("qk_clip") == 2 and kinds.count("round_trip") == 2
+    assert "te_probe" in kinds
+    lines = [line for line in run.stdout.splitlines() if line.split(" ")[0] in set(kinds)]
+    assert len(lines) == len(steps)
+    for step, line in zip(steps, lines):
+        if "recipe" in step:
+            assert step["recipe"] in line and "TE spec" in line, line
+    assert any("MLA" in line for line in lines) and any("GQA" in line for line in lines)
+    assert "transformer_engine: not imported" in run.stdout
+    assert not list((tmp_path / "gpu").glob("*")), "a dry run writes nothing"
+
+
+@pytest.mark.once
+def test_te_carrier_splits_and_plans_within_the_call_limit(tmp_path, monkeypatch):
+    """bench/te/te.py on a small stand-in wheel: pieces + manifest, joined sha256, the call plan."""
+    sys.path.insert(0, str(REPO / "bench" / "te"))
+    import te as carrier
+
+    dist, pieces = tmp_path / "dist", tmp_path / "pieces"
+    dist.mkdir()
+    wheel = dist / f"transformer_engine_cu13-{carrier.TE_VERSION}-py3-none-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(os.urandom(2500))
+    (dist / f"transformer_engine_torch-{carrier.TE_VERSION}.tar.gz").write_bytes(b"sdist")
+    monkeypatch.setattr(carrier, "DIST", dist)
+    monkeypatch.setattr(carrier, "PIECES", pieces)
+    manifest = carrier.split(piece_bytes=1000)
+    assert [p["bytes"] for p in manifest["pieces"]] == [1000, 1000, 500]
+    assert manifest["parts"] == ["part-01", "part-02", "part-03"] and manifest["files"][0]["part"] == "part-03"
+    assert carrier.check() == 0
+    calls = carrier.plan(manifest)
+    assert [c["carry"] for c in calls[:3]] == [[f"bench/te/pieces/part-0{i}"] for i in (1, 2, 3)]
+    assert "install" in calls[2]["command"] and calls[-1]["carry"] == [".whl"]
