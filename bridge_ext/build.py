@@ -219,6 +219,8 @@ def build_config(recipe: Recipe, *, layout: str | None = None, yaml_path: str | 
     for dotted, value in (values or {}).items():
         set_dotted(cfg, dotted, value)
         explicit.add(dotted)
+    if "checkpoint.save" in explicit and "checkpoint.load" not in explicit:
+        cfg.checkpoint.load = cfg.checkpoint.save  # rerunning the command resumes the run it saved
     resolve_for_run(cfg, recipe, explicit=explicit)
     return cfg
 

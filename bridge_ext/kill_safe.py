@@ -9,7 +9,10 @@
   iteration directory instead, and move them into place (``os.replace``) only once every file of the iteration
   is there and flushed.
 * :func:`prepare_resume`: the iteration a run loads (``bridge_ext.checkpoints.resume_point``), said in one line
-  when it is not the one the tracker names.
+  when it is not the one the tracker names, checked before anything reads it (its pickles vetted, its files and
+  checksums verified: ``bridge_ext.checkpoints.pickles``, ``integrity``).
+* Integrity records (:func:`record_integrity`): after a save every rank records the sizes and CRC-32s of the files it
+  wrote (``bridge_ext.checkpoints.integrity``), before the trackers move.
 * :func:`graceful_stop`: Megatron Bridge polls ``state.signal_handler`` when ``train.exit_signal_handler`` is on
   (``train.py``, ``checkpoint_and_decide_exit``) but never installs it (``DistributedSignalHandler.__enter__``
   is called nowhere for the trainer); this callback installs it when training starts.
@@ -38,8 +41,8 @@ from typing import Any
 from bridge_ext.runtime import write_atomic
 
 __all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
-           "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "staged_tracker",
-           "start_results_server", "stop_line"]
+           "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "record_integrity",
+           "staged_tracker", "start_results_server", "stop_line"]
 
 
 def _rank() -> int:
@@ -72,6 +75,12 @@ class _Save:
 
 _active: _Save | None = None
 _saved: set[tuple[str, int]] = set()  # (save dir, iteration) this process saved or resumed from
+_integrity = {"record": True}  # whether saves write an integrity record (--no-checksums: not)
+
+
+def record_integrity(enabled: bool) -> None:
+    """Whether this process's saves write their integrity record (``--no-checksums`` turns it off)."""
+    _integrity["record"] = enabled
 
 
 def _same_dir(path: str, save: _Save | None) -> bool:
@@ -114,6 +123,7 @@ def atomic_save_checkpoint(original):
         finally:
             _active = None
         if not save.is_async:
+            _write_record(save)
             _commit(save)
         _saved.add(key)
         return result
@@ -127,7 +137,7 @@ def commit_after_async_save(original):
     def schedule_async_save(global_state: Any, async_request: Any) -> Any:
         if _active is not None:  # commit after upstream's finalize functions (metadata.json, trackers, config)
             save, _active.is_async = _active, True
-            async_request.add_finalize_fn(lambda: _commit(save))
+            async_request.add_finalize_fn(lambda: (_write_record(save), _commit(save)))
         return original(global_state, async_request)
 
     return schedule_async_save
@@ -169,13 +179,34 @@ def _uncommit(save: _Save) -> None:
     _fsync(root)
 
 
+def _write_record(save: _Save) -> None:
+    """Every rank: the integrity record of the files it wrote, between two barriers (``.metadata``, which names
+    the items, is complete before; every rank's record is there before rank 0 commits)."""
+    if not _integrity["record"]:
+        return
+    import torch
+
+    from bridge_ext.checkpoints.integrity import write_record
+
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.barrier()
+    write_record(save.iter_dir, rank=_rank(), world_size=world)
+    if world > 1:
+        dist.barrier()
+
+
 def _commit(save: _Save) -> None:
     """Rank 0: flush the iteration, then move its trackers into place; then apply most_recent_k."""
     from bridge_ext.checkpoints import missing_files
+    from bridge_ext.checkpoints.integrity import RECORD_DIR
 
     if _rank() != 0:
         return
     missing = missing_files(save.iter_dir)
+    if _integrity["record"] and not os.path.isdir(os.path.join(save.iter_dir, RECORD_DIR)):
+        missing.append(RECORD_DIR)
     missing += [os.path.basename(p) for p in save.staged.values() if not os.path.exists(p)]
     if missing or not save.staged:
         raise RuntimeError(f"the save of iteration {save.iteration} left {save.iter_dir} without "
@@ -212,19 +243,32 @@ def _fsync(path: str | Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ resume
-def prepare_resume(cfg: Any) -> str | None:
-    """Decide the iteration this run loads from ``checkpoint.load``; the one line to say, or None.
+def prepare_resume(cfg: Any, *, checksums: bool = True) -> str | None:
+    """Decide the iteration this run loads from ``checkpoint.load`` and check it; the lines to say, or None.
 
     When the tracker names an incomplete iteration, ``checkpoint.ckpt_step`` is set to the newest complete
     one (Megatron Bridge's own way to load a given iteration). A ``UserError`` when there is nothing to resume
     from but a tracker, when ``checkpoint.ckpt_step`` names an incomplete iteration, or when the
     ``checkpoint.pretrained_checkpoint`` a fresh run starts from names one (it has no ``ckpt_step``).
+
+    The iteration loaded is vetted (its pickles) and verified (``bridge_ext.checkpoints.integrity``: sizes, and the
+    checksums of what the load reads, split between the ranks; ``checksums=False``: sizes only).
     """
     from bridge_ext.checkpoints import iteration_dir, missing_files, read_tracker, resume_point, vet_checkpoint
     from bridge_ext.errors import UserError
 
     _saved.clear()
     ckpt = cfg.checkpoint
+    lines: list[str] = []
+
+    def verified(iter_dir: Path, scope: str) -> None:
+        from bridge_ext.checkpoints.integrity import verify
+        from bridge_ext.runtime import world_size
+
+        result = verify(iter_dir, scope=scope, rank=int(os.environ.get("RANK", "0")), world_size=world_size(),
+                        checksums=checksums)
+        lines.append(result.line(iter_dir) + (" (this rank's share)" if world_size() > 1 and result.recorded
+                                               and checksums else ""))
     if ckpt.pretrained_checkpoint and (not ckpt.load or read_tracker(ckpt.load)[0] is None):
         try:  # loaded (weights only) when checkpoint.load holds nothing yet
             start = resume_point(ckpt.pretrained_checkpoint)
@@ -233,22 +277,28 @@ def prepare_resume(cfg: Any) -> str | None:
         if start.overrides_tracker:
             raise UserError(f"checkpoint.pretrained_checkpoint: {start.note.split('; ')[0]}; Megatron Bridge loads "
                             "only the iteration its tracker names")
+        if start.iteration is not None:
+            verified(iteration_dir(ckpt.pretrained_checkpoint, start.iteration), "model")  # weights only
     if not ckpt.load:
-        return None
+        return "\n".join(lines) or None
+    scope = "all" if getattr(ckpt, "load_optim", True) else "model"
     if ckpt.ckpt_step is not None:
         missing = missing_files(iteration_dir(ckpt.load, ckpt.ckpt_step))
         if missing:
             raise UserError(f"checkpoint.ckpt_step={ckpt.ckpt_step}: iteration {ckpt.ckpt_step} in {ckpt.load} is "
                             f"incomplete (missing {', '.join(missing)})")
         vet_checkpoint(iteration_dir(ckpt.load, ckpt.ckpt_step), ckpt.load)
-        return None
+        verified(iteration_dir(ckpt.load, ckpt.ckpt_step), scope)
+        return "\n".join(lines) or None
     point = resume_point(ckpt.load)
+    if point.iteration is not None:
+        verified(iteration_dir(ckpt.load, point.iteration), scope)
     if point.iteration is not None and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save):
         _saved.add((os.path.realpath(ckpt.save), point.iteration))
     if point.overrides_tracker:
         ckpt.ckpt_step = point.iteration
-        return f"resume: {point.note}"
-    return None
+        lines.insert(0, f"resume: {point.note}")
+    return "\n".join(lines) or None
 
 
 # ------------------------------------------------------------------------------------------- SIGTERM stop

@@ -78,6 +78,7 @@ class LaunchOptions:
     env: list[str] = field(default_factory=list)  # KEY=VALUE
     sbatch: list[str] = field(default_factory=list)  # KEY=VALUE, extra #SBATCH options
     device: Literal["auto", "gpu", "cpu"] = "auto"  # passed on to every rank
+    checksums: bool = True  # False: --no-checksums, passed on to every rank
     data: Literal["auto", "text", "mock"] = "auto"
     dryrun: bool = False  # print NeMo-Run's script or torchrun command; submit and write nothing
 
@@ -184,6 +185,8 @@ def _task_args(options: LaunchOptions, recipe: Any, layout: str, config: str) ->
         out += ["--device", options.device]
     if options.data != "auto":
         out += ["--data", options.data]
+    if not options.checksums:
+        out.append("--no-checksums")
     return out
 
 

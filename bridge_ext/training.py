@@ -48,10 +48,11 @@ class Prepared:
     use_cpu: bool
     data: str  # one line for the console
     callbacks: list[Any] = field(default_factory=list)
+    checksums: bool = True  # saves write an integrity record, a resume checks it (bridge_ext.checkpoints.integrity)
 
 
 def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", quiet: bool = False,
-            telemetry: bool = True) -> Prepared:
+            telemetry: bool = True, checksums: bool = True) -> Prepared:
     """Make ``cfg`` ready to train on this machine; nothing here changes a config for GPUs except data.
 
     ``data``: ``text`` trains on the shipped standard-library corpus (``nemo llm prepare-data``), ``mock`` on
@@ -114,7 +115,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         callbacks.append(MuonTelemetry(interval=cfg.logger.log_interval))  # also keeps QK-clip's running max
     elif cfg.model.qk_clip:  # QK-clip needs the step's max over every micro-batch, telemetry or not
         callbacks.append(QKClipTracking())
-    return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks)
+    return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks, checksums=checksums)
 
 
 def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> bool:
@@ -133,7 +134,8 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     patches.apply("checkpointing")  # atomic saves, writer helpers that die with us, loads across EP layouts
     saves_torch_dist = bool(cfg.checkpoint.save) and cfg.checkpoint.ckpt_format == "torch_dist"
     kill_safe.keep_helpers_with_trainer(start_now=saves_torch_dist)
-    note = kill_safe.prepare_resume(cfg)  # before any process group: a bad checkpoint is a one-line error
+    kill_safe.record_integrity(prepared.checksums)
+    note = kill_safe.prepare_resume(cfg, checksums=prepared.checksums)  # before any process group: one line
     if note and is_rank_zero():
         print(note, file=sys.stderr, flush=True)
     from bridge_ext import relayout
@@ -162,13 +164,13 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     return stop.received
 
 
-def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto") -> bool:
+def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", checksums: bool = True) -> bool:
     """``nemo llm pretrain``'s run of a resolved config on this machine, with its console lines; in CPU mode
     the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). True when it stopped early
     on its exit signal (after saving)."""
     import signal
 
-    prepared = prepare(recipe, cfg, device=device, data=data)
+    prepared = prepare(recipe, cfg, device=device, data=data, checksums=checksums)
     say = print if is_rank_zero() else (lambda *a, **k: None)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
@@ -393,7 +395,7 @@ def use_finetune_data(recipe: Any, cfg: Any, data: str | Path) -> tuple[Path, An
 
 def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto", callbacks: list[Any] = (),
                  quiet: bool = False, record_dir: Path | None = None, loss_extra: dict[str, Any] | None = None,
-                 telemetry: bool = True) -> Path:
+                 telemetry: bool = True, checksums: bool = True) -> Path:
     """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory.
 
     ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``). On CPU the training and
@@ -404,7 +406,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
     say(f"data: {data}: {prepared_data.train} training and {prepared_data.validation} held-out records, rendered "
         f"with {tokenizer}'s chat template, training order of seed {cfg.dataset.seed} ({prepared_data.root})",
         file=sys.stderr)
-    prepared = prepare(recipe, cfg, device=device, quiet=quiet, telemetry=telemetry)
+    prepared = prepare(recipe, cfg, device=device, quiet=quiet, telemetry=telemetry, checksums=checksums)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
     run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
@@ -38,7 +39,7 @@ def make_iteration(root: Path, number: int, files=COMPLETE) -> Path:
         if name.endswith(".pt"):
             torch.save({}, path / name)
         else:
-            (path / name).write_bytes(pickle.dumps({}) if name == ".metadata" else b"x")
+            (path / name).write_bytes(pickle.dumps(Metadata(state_dict_metadata={})) if name == ".metadata" else b"x")
     return path
 
 
@@ -141,10 +142,12 @@ def test_training_loads_the_resume_point_and_refuses_incomplete_choices(tmp_path
     make_iteration(run, 4, COMPLETE[:5])
     write_tracker(run, 2)
     cfg = config()
-    assert prepare_resume(cfg) is None and cfg.checkpoint.ckpt_step is None  # Megatron Bridge reads the tracker
+    unrecorded = (f"integrity: {run / 'iter_0000002'} has no integrity record (saved without bridge_ext); its files' "
+                  "sizes were checked against .metadata, their contents were not")
+    assert prepare_resume(cfg) == unrecorded and cfg.checkpoint.ckpt_step is None  # Megatron Bridge reads the tracker
     write_tracker(run, 4)
     assert prepare_resume(cfg) == (f"resume: iteration 4 in {run} is incomplete (missing run_config.yaml); using "
-                                   "iteration 2, the newest complete one")
+                                   f"iteration 2, the newest complete one\n{unrecorded}")
     assert cfg.checkpoint.ckpt_step == 2  # how Megatron Bridge is told to load another iteration
     assert user_error(prepare_resume, config(ckpt_step=4)) == (
         f"checkpoint.ckpt_step=4: iteration 4 in {run} is incomplete (missing run_config.yaml)")

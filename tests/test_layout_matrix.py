@@ -252,6 +252,28 @@ def check_losses(phases: list[Phase], references: dict[str, Phase]) -> None:
     assert not failures, failures
 
 
+def check_integrity_records(phases: list[Phase]) -> None:
+    """Every rank of every layout recorded the files it wrote (issue 37): one record per rank that wrote data files
+    (DCP names them ``__<rank>_<n>.distcp``), and the whole iteration matches them."""
+    import json
+    import re
+
+    from bridge_ext.checkpoints.integrity import verify
+
+    for p in phases:
+        iter_dir = p.save / f"iter_{p.iters:07d}"
+        writers = {int(m.group(1)) for f in iter_dir.iterdir() if (m := re.match(r"__(\d+)_\d+\.distcp$", f.name))}
+        records = [json.loads(f.read_text()) for f in sorted((iter_dir / ".integrity").glob("rank_*.json"))]
+        ranks = {r["rank"] for r in records}
+        assert ranks == set(range(records[0]["world_size"])) and writers <= ranks, (p.save.name, writers, ranks)
+        for record in records:
+            assert {f for f in record["files"] if f.endswith(".distcp")} == {
+                f.name for f in iter_dir.glob(f"__{record['rank']}_*.distcp")}, (p.save.name, record["rank"])
+        result = verify(iter_dir, scope="all")
+        assert result.recorded and result.bytes == sum(f.stat().st_size for f in iter_dir.rglob("*") if f.is_file()
+                                                       and ".integrity" not in f.parts), p.save.name
+
+
 def check_exports(here: dict, distributed: dict) -> None:
     """Streaming export = ``--no-stream`` export = the 2-process ``--tp/--pp/--ep`` export, bit for bit."""
     for (family, layout), dirs in here.items():
@@ -379,6 +401,7 @@ def test_every_family_saved_in_every_layout_exports_and_resumes_in_every_other(c
     # the 4-process layout's checkpoint: experts and MLA in TP2 x EP2 chunks
     saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
     check_stored_chunks(saved.save, saved.iters, tp=2)
+    check_integrity_records(done.resumes)
     check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
     check_losses(done.resumes, done.references)

@@ -169,10 +169,10 @@ class TorchDistChunks:
     ``create_read_items_for_chunk_list``), here one region at a time, reading only the chunks that overlap it."""
 
     def __init__(self, directory: Path):
-        from torch.distributed.checkpoint import FileSystemReader
+        from bridge_ext.checkpoints.pickles import load_metadata
 
         self.directory = directory
-        self.metadata = FileSystemReader(str(directory)).read_metadata()
+        self.metadata = load_metadata(directory)  # FileSystemReader.read_metadata, with only allowed classes
         self._where = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
                        for index, info in self.metadata.storage_data.items()}  # fmt: skip
         self._sizes: dict[str, int | None] = {}
@@ -317,6 +317,6 @@ def missing_stored_file(directory: Path) -> str | None:
     which the caller reports)."""
     try:
         chunks = TorchDistChunks(Path(directory))
-    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError):  # no readable .metadata
+    except UserError:  # no readable .metadata: the caller reports it
         return None
     return chunks.missing_file()

@@ -30,6 +30,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="max bytes per shard (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verbose", action="store_true", help="show Megatron's and transformers' own output")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false",
+                   help="do not verify the checkpoint's integrity record (sizes are still checked)")
     add_parallel_arguments(p)
     return p
 
@@ -39,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
 
     return run_export(ckpt=args.ckpt, out=args.out, iteration=args.iteration, hf_config=args.hf_config,
                       shard_bytes=args.shard_size, overwrite=args.overwrite, tp=args.tp, pp=args.pp, ep=args.ep,
-                      verbose=args.verbose, stream=not args.no_stream)
+                      verbose=args.verbose, stream=not args.no_stream, checksums=args.checksums)

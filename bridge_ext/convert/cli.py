@@ -35,9 +35,10 @@ def run_import(*, hf: Path, out: Path, verify: bool = False, overwrite: bool = F
 
 def run_export(*, ckpt: Path, out: Path, iteration: int | None = None, hf_config: Path | None = None,
                shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
-               verbose: bool = False, stream: bool = True) -> int:
+               verbose: bool = False, stream: bool = True, checksums: bool = True) -> int:
     """``nemo llm export``: exit code 0, or :class:`UserError` for bad input."""
     with quiet_upstream(verbose=verbose) as say:
         summary = export_hf(ckpt, out, iteration=iteration, overwrite=overwrite, hf_config=hf_config,
-                            shard_bytes=shard_bytes, tp=tp, pp=pp, ep=ep, progress=True, console=say, stream=stream)
+                            shard_bytes=shard_bytes, tp=tp, pp=pp, ep=ep, progress=True, console=say, stream=stream,
+                            checksums=checksums)
     return _finish(summary)

@@ -118,12 +118,10 @@ def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
 def checkpoint_param_dtype(iter_dir: Path) -> Any:
     """The dtype the checkpoint stores model weights in (from the torch DCP metadata), or None."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        metadata = FileSystemReader(str(iter_dir)).read_metadata()
-    except Exception as exc:
-        raise UserError(f"{iter_dir} is not a readable torch_dist checkpoint ({type(exc).__name__}: {exc})") from None
+    from bridge_ext.checkpoints.pickles import load_metadata
+
+    metadata = load_metadata(iter_dir)  # only allowed classes; a damaged file is one line naming it
     counts: dict[Any, int] = {}
     for key, meta in metadata.state_dict_metadata.items():
         props = getattr(meta, "properties", None)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.checkpoints.integrity import verify
 from bridge_ext.convert.megatron_ckpt import (
     cause_line,
     checkpoint_param_dtype,
@@ -211,17 +212,21 @@ def export_hf(
     console: Callable[[str], None] | None = print,
     stream: bool = True,
     threads: int = DEFAULT_THREADS,
+    checksums: bool = True,
 ) -> ConversionSummary:
     """Convert a Megatron checkpoint (``import`` output or a training run) into an HF directory at ``out``.
 
     ``stream`` (default): tensor by tensor from the torch_dist files without building the model
     (:mod:`bridge_ext.convert.stream`; under torchrun rank 0 converts); with ``stream=False``, a ``tp/pp/ep``
     layout, or where a parameter needs the model (``NeedsModel``), the checkpoint is loaded into the built model.
+    Before anything is read, the model's part of the iteration is checked against its integrity record
+    (``checksums=False``: sizes only; :mod:`bridge_ext.checkpoints.integrity`).
     """
     start = time.perf_counter()
     ckpt, target = Path(ckpt), Path(out)
     check_target(target, overwrite=overwrite, inputs=[ckpt] if ckpt.exists() else [])
     iter_dir, number = find_iteration(ckpt, iteration)
+    say_on_rank0(console, verify(iter_dir, scope="model", checksums=checksums).line(iter_dir))
     hf_source = hf_source_for_checkpoint(ckpt, iter_dir, Path(hf_config) if hf_config else None)
     source = inspect_hf_dir(hf_source, check_tensors=False) if any(hf_source.glob("*.safetensors")) else None
     if source is None:
