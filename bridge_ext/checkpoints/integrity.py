@@ -56,14 +56,20 @@ def _threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _crc(fd: int, offset: int, length: int) -> int:
+def _crc(path: Path, offset: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of ``path`` from ``offset``, read into one reused buffer."""
     crc, end = 0, offset + length
-    while offset < end:
-        data = os.pread(fd, min(_READ, end - offset), offset)
-        if not data:
-            raise EOFError(f"ends at byte {offset}")
-        crc = zlib.crc32(data, crc)
-        offset += len(data)
+    view = memoryview(bytearray(min(_READ, length) or 1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while offset < end:
+            got = os.preadv(fd, [view[: min(_READ, end - offset)]], offset)
+            if not got:
+                raise EOFError(f"ends at byte {offset}")
+            crc = zlib.crc32(view[:got], crc)
+            offset += got
+    finally:
+        os.close(fd)
     return crc
 
 
@@ -110,17 +116,12 @@ def write_record(iter_dir: str | Path, *, rank: int, world_size: int) -> int:
                 offsets = None if index.offset is None else [int(o) for o in index.offset]
                 items[info.relative_path].append((int(info.offset), int(info.length), index.fqn, offsets))
     plan = {name: _segments(os.path.getsize(iter_dir / name), items[name]) for name in files}
-
-    def checksum(name: str) -> list[list[Any]]:
-        fd = os.open(iter_dir / name, os.O_RDONLY)
-        try:
-            return [[offset, length, _crc(fd, offset, length), key, offsets]
-                    for offset, length, key, offsets in plan[name]]
-        finally:
-            os.close(fd)
-
-    with concurrent.futures.ThreadPoolExecutor(_threads()) as pool:
-        done = dict(zip(files, pool.map(checksum, files)))
+    jobs = [(name, segment) for name in files for segment in plan[name]]
+    with concurrent.futures.ThreadPoolExecutor(_threads()) as pool:  # zlib.crc32 releases the GIL
+        crcs = list(pool.map(lambda job: _crc(iter_dir / job[0], job[1][0], job[1][1]), jobs))
+    done: dict[str, list[list[Any]]] = {name: [] for name in files}
+    for (name, (offset, length, key, offsets)), crc in zip(jobs, crcs):
+        done[name].append([offset, length, crc, key, offsets])
     record = {"format": _FORMAT, "algorithm": "crc32", "rank": rank, "world_size": world_size,
               "files": {name: {"size": os.path.getsize(iter_dir / name), "items": done[name]} for name in files}}
     (iter_dir / RECORD_DIR).mkdir(exist_ok=True)
@@ -230,13 +231,10 @@ def verify(iter_dir: str | Path, *, scope: Scope = "all", rank: int = 0, world_s
 
     def check(job: tuple[str, list[Any]]) -> tuple[str, list[Any]] | None:
         name, (offset, length, crc, _, _) = job
-        fd = os.open(iter_dir / name, os.O_RDONLY)
         try:
-            return None if _crc(fd, offset, length) == crc else job
+            return None if _crc(iter_dir / name, offset, length) == crc else job
         except (OSError, EOFError):
             return job
-        finally:
-            os.close(fd)
 
     with concurrent.futures.ThreadPoolExecutor(_threads()) as pool:
         bad = next((job for job in pool.map(check, work) if job is not None), None)
