@@ -24,6 +24,7 @@ from bridge_ext.hf.directory import (
 )
 from bridge_ext.hf.fp8 import fp8_dequantizing
 from bridge_ext.hf.read import per_expert_state
+from bridge_ext.hf.untrusted import check_loaded_finite, check_model_fits
 
 __all__ = ['import_hf']
 
@@ -59,6 +60,7 @@ def _load_hf_into_megatron(
     with TensorProgress("import", total=total, enabled=progress and is_rank0()) as bar:
         for task in local:
             hf_weights = load(task.mapping.hf_param, state)
+            check_loaded_finite(hf_weights, task.mapping.hf_param, source=source)
             converted = task.mapping.hf_to_megatron(hf_weights, task.megatron_module)
             names = list(dict.fromkeys(source.stored_name(n) for n in _hf_names(task.mapping.hf_param)))
             fresh = [n for n in names if n not in seen]
@@ -114,6 +116,10 @@ def import_hf(
         raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
     source = inspect_hf_dir(hf)
     check_layout(architecture_of(source.config, source.raw_config), tp=tp, pp=pp, ep=ep)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if verify:
+        check_model_fits(parameters=source.parameters, bytes_per_param=4, processes=1, where=hf / "config.json",
+                         what="--verify's fp32 model", hint="import without --verify")  # fmt: skip
     summary = ConversionSummary(direction="import", out=target)
     say_on_rank0(console, f"importing {source.family.display} from {hf} "
                           f"({len(source.tensors)} tensors, {human_bytes(source.total_bytes)}, {source.dtype})")  # fmt: skip
@@ -132,6 +138,9 @@ def import_hf(
     from megatron.bridge.training.model_load_save import save_megatron_model
 
     dtype = getattr(torch, source.dtype)
+    check_model_fits(parameters=source.parameters, bytes_per_param=dtype.itemsize, processes=world,
+                     where=hf / "config.json", what="the model-building conversion (--no-stream, --tp/--pp/--ep)",
+                     hint="stream it (drop --no-stream and --tp/--pp/--ep) or launch more processes with torchrun")
     with process_group(cpu), staged_output(target) as staging:
         pretrained = PreTrainedCausalLM(model_name_or_path=str(hf.absolute()), torch_dtype=dtype)
         pretrained.config = source.config  # built without remote code; AutoConfig would refuse kimi_k2

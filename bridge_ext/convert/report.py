@@ -116,6 +116,8 @@ class TensorProgress:
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
+            if exc[0] is not None:  # a refusal mid-way (NaN weights, ...) ends in its one error line, no bar
+                self._bar.live.transient = True
             self._bar.__exit__(*exc)
 
     def advance(self, nbytes: int, *, tensors: int = 1) -> None:

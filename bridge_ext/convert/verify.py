@@ -78,7 +78,8 @@ def _hf_reference_model(source: HFSource) -> Any:
     model_layout = expert_layout(model_tensor_shapes(source.config))
     if not (source.fp8 or source.int4) and source.expert_layout in ("none", "per_expert", model_layout):
         return AutoModelForCausalLM.from_pretrained(
-            str(source.path), config=source.config, dtype=torch.float32, attn_implementation="eager"
+            str(source.path), config=source.config, dtype=torch.float32, attn_implementation="eager",
+            use_safetensors=True,  # never a pytorch_model.bin (a pickle) beside them
         )
     model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, attn_implementation="eager")
     reader = HFTensorReader(source, dequantize=True)

@@ -4,6 +4,8 @@
   code), the values the shipped config states over an upstream bridge's defaults;
 * :mod:`~bridge_ext.hf.directory`: reading and validating a directory (config, safetensors headers, shards,
   dtypes, the tensors an architecture needs), the ``hf_source/`` an import keeps;
+* :mod:`~bridge_ext.hf.untrusted`: what a directory from someone else must pass before anything large is
+  allocated (file kinds, JSON and header caps, config sizes against the weights, memory, NaN / Inf);
 * :mod:`~bridge_ext.hf.read`: tensors as Megatron Bridge's state source reads them (per expert, dequantized);
 * :mod:`~bridge_ext.hf.expert_layout` (routed experts per expert or fused), :mod:`~bridge_ext.hf.fp8`,
   :mod:`~bridge_ext.hf.int4` (quantized releases).

@@ -9,10 +9,10 @@ Which ``model_type`` builds which is recipe data: :data:`recipes.families.FAMILI
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.hf.untrusted import read_json_capped
 from recipes.families import family
 
 __all__ = ["apply_config_stated_fields", "read_config_json", "load_hf_config", "transformers_model_type",
@@ -23,11 +23,11 @@ _NON_ARCHITECTURE_KEYS = ("auto_map", "quantization_config")
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of a directory (or the file itself) as a dict."""
+    """The ``config.json`` of a directory (or the file itself) as a dict; a regular file under a size cap
+    (:func:`~bridge_ext.hf.untrusted.read_json_capped`), since it may come from someone else."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
-    with open(file) as handle:
-        return json.load(handle)
+    return read_json_capped(file, what="config.json")
 
 
 def transformers_model_type(model_type: str | None) -> str | None:

@@ -22,6 +22,14 @@ from bridge_ext.hf.expert_layout import (
 )
 from bridge_ext.hf.int4 import COMPANIONS as INT4_COMPANIONS
 from bridge_ext.hf.int4 import Int4Scheme, int4_scheme, int4_weights
+from bridge_ext.hf.untrusted import (
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    check_config_against_weights,
+    check_config_sizes,
+    read_json_capped,
+    regular_file_size,
+)
 from recipes.architecture import Architecture
 from recipes.families import FAMILIES, ModelFamily, families_of_architecture, family
 
@@ -93,6 +101,7 @@ class HFSource:
     # ``X.weight_packed`` / ``weight_scale`` / ``weight_shape``
     int4: Int4Scheme | None = None
     int4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    parameters: int = 0  # what config.json describes (recipes.params.count_params), checked against the files
 
     @property
     def total_bytes(self) -> int:
@@ -121,50 +130,72 @@ class HFSource:
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors file's header against its size (catches truncation and corruption).
+    """Parse and check one safetensors file's header against its size, reading only the header.
 
     Format: 8-byte little-endian header length, a JSON header, then the data buffer that the header's
-    ``data_offsets`` must cover exactly (https://github.com/huggingface/safetensors#format).
+    ``data_offsets`` must cover exactly, without gaps or overlaps (https://github.com/huggingface/safetensors#format;
+    what safetensors' own ``Metadata::validate`` requires). The length is checked against the file and
+    :data:`~bridge_ext.hf.untrusted.MAX_HEADER_BYTES` before the header is read; a header that claims more
+    bytes than the file is "truncated".
     """
-    size = file.stat().st_size
     where = f"{file.parent.name}/{file.name}"
+    size = regular_file_size(file, what="safetensors file")
     if size < 8:
         raise UserError(f"{where} is truncated ({size} bytes); re-download or re-save it")
     with open(file, "rb") as handle:
         (header_len,) = struct.unpack("<Q", handle.read(8))
-        if header_len > size - 8 or header_len > 100 * 2**20:
-            raise UserError(f"{where} is not a valid safetensors file (header length {header_len}, file {size} bytes)")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UserError(f"{where} is corrupt: its safetensors header is not valid JSON") from None
+        if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+            raise UserError(f"{where} is not a valid safetensors file (header length {header_len:,}, file "
+                            f"{size:,} bytes, at most {MAX_HEADER_BYTES:,}); refused unread")
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        raise UserError(f"{where} is corrupt: its safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise UserError(f"{where} is corrupt: its safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise UserError(f"{where} is corrupt: its __metadata__ is not a map of strings")
     data_len = size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
-    end_max = 0
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            begin, end = offsets
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{where} is corrupt: bad header entry for tensor {name}") from None
-        if dtype not in SAFETENSORS_DTYPES:
-            raise UserError(f"{where}: tensor {name} has unknown dtype {dtype}")
+        if not (isinstance(shape, list) and all(_whole(d) and d >= 0 for d in shape)
+                and _whole(begin) and _whole(end) and 0 <= begin <= end):  # fmt: skip
+            raise UserError(f"{where} is corrupt: tensor {name} has shape {shape!r} and data_offsets {offsets!r}")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"{where}: tensor {name} has dtype {dtype!r}, which conversion cannot take "
+                            f"(known: {', '.join(SAFETENSORS_DTYPES)})")
         expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
-        if end - begin != expected or begin < 0:
+        if end - begin != expected:
             raise UserError(f"{where} is corrupt: tensor {name} spans {end - begin} bytes, its shape needs {expected}")
         if end > data_len:
             raise UserError(
-                f"{where} is truncated: tensor {name} ends at byte {end} of a {data_len}-byte data section; "
+                f"{where} is truncated: tensor {name} ends at byte {end:,} of a {data_len:,}-byte data section; "
                 "re-download or re-save it"
             )
-        end_max = max(end_max, end)
-        tensors[name] = TensorInfo(file=file.name, dtype=dtype, shape=shape, nbytes=expected)
-    if end_max != data_len:
-        raise UserError(f"{where} is corrupt: {data_len - end_max} bytes after the last tensor")
+        spans.append((begin, end, name))
+        tensors[name] = TensorInfo(file=file.name, dtype=dtype, shape=tuple(shape), nbytes=expected)
+    cursor, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < cursor:
+            raise UserError(f"{where} is corrupt: tensors {previous} and {name} overlap (bytes {begin:,}-{cursor:,})")
+        if begin > cursor:
+            raise UserError(f"{where} is corrupt: {begin - cursor:,} bytes before tensor {name} belong to no tensor")
+        cursor, previous = end, name
+    if cursor != data_len:
+        raise UserError(f"{where} is corrupt: {data_len - cursor} bytes after the last tensor")
     return tensors
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def expected_hf_tensors(config: Any) -> dict[str, tuple[int, ...]]:
@@ -231,7 +262,13 @@ def architecture_of(config: Any, raw: dict[str, Any]) -> Architecture:
 
 
 def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
-    """Validate a Hugging Face checkpoint directory; raise :class:`UserError` naming the first problem."""
+    """Validate a Hugging Face checkpoint directory; raise :class:`UserError` naming the first problem.
+
+    The one check of a directory from someone else (docs/conversion.md, "Hugging Face directories from someone
+    else"): every file it reads is a regular file (symlinks followed), JSON under a size cap, safetensors headers
+    checked against their files before they are read, ``config.json``'s sizes capped and matched against the bytes
+    on disk (:mod:`~bridge_ext.hf.untrusted`) before transformers builds a config or a meta-device model from it.
+    """
     from bridge_ext.hf.config import load_hf_config
 
     path = Path(path)
@@ -242,14 +279,12 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"{path} has no config.json; point --hf at a Hugging Face model directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    raw = read_json_capped(config_file, what="config.json")
     if not isinstance(raw, dict):
         raise UserError(f"{config_file} is not a JSON object")
     model_family = convertible_family(raw, where=config_file)
     architecture = model_family.hf_architecture
+    check_config_sizes(raw, where=config_file)
     try:
         config = load_hf_config(path)
     except (ValueError, KeyError, TypeError) as exc:
@@ -262,21 +297,26 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     # Shards: the index, if any, names them; otherwise every *.safetensors in the directory.
     index_file = path / "model.safetensors.index.json"
     weight_map: dict[str, str] | None = None
-    if index_file.exists():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{index_file} is corrupt (no valid weight_map)") from None
+    if index_file.exists() or index_file.is_symlink():
+        index = read_json_capped(index_file, limit=MAX_INDEX_BYTES, what="model.safetensors.index.json")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):  # fmt: skip
+            raise UserError(f"{index_file} is corrupt (no valid weight_map)")
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
+        outside = [f for f in files if Path(f).name != f or f in (".", "..") or not f.endswith(".safetensors")]
+        if outside:
+            raise UserError(f"{index_file} names {outside[0]!r}, which is not a .safetensors file of {path}")
+        missing = [f for f in files if not (path / f).exists()]  # a FIFO or a directory: refused below
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise UserError(f"{path}: shard {missing[0]}{more} listed in model.safetensors.index.json is missing")
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
-            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-                raise UserError(f"{path} has only PyTorch .bin/.pt weights; save it with safe_serialization=True")
+            if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+                raise UserError(f"{path} has only PyTorch .bin/.pt weights (pickles, never read here); save it "
+                                "with safe_serialization=True")
             raise UserError(f"{path} has no *.safetensors weights")
 
     tensors: dict[str, TensorInfo] = {}
@@ -294,6 +334,9 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
     fp8 = quant.get("quant_method") == "fp8"
     declared = raw.get("torch_dtype") or raw.get("dtype")
     int4 = int4_scheme(quant, where=config_file)
+    parameters = check_config_against_weights(
+        architecture_of(config, raw), stored_bytes=sum(t.nbytes for t in tensors.values()),
+        bytes_per_param=_smallest_storage(tensors, fp8=fp8, int4=int4 is not None), where=config_file)  # fmt: skip
     expected = expected_hf_tensors(config) if check_tensors else None
     int4_shapes = {} if int4 is None else int4_weights(
         {k: v.shape for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()}, int4,
@@ -328,7 +371,18 @@ def inspect_hf_dir(path: str | Path, *, check_tensors: bool = True) -> HFSource:
         raise UserError(f"{config_file}: only e4m3 fp8 with 2-D weight_block_size is supported, got {quant}")
     return HFSource(path=path, raw_config=raw, config=config, architecture=architecture, family=model_family,
                     tensors=tensors, files=files, dtype=dtype, fp8=fp8, fp8_block=block, expert_layout=layout,
-                    expert_views=views, int4=int4, int4_weights=int4_shapes)  # fmt: skip
+                    expert_views=views, int4=int4, int4_weights=int4_shapes, parameters=parameters)  # fmt: skip
+
+
+def _smallest_storage(tensors: dict[str, TensorInfo], *, fp8: bool, int4: bool) -> float:
+    """Bytes per parameter of the checkpoint's most compact weights: 0.5 (int4 packed), 1 (fp8), else the
+    smallest float dtype it stores (2 for bf16, 4 for fp32)."""
+    if int4:
+        return 0.5
+    if fp8:
+        return 1.0
+    floats = [SAFETENSORS_DTYPES[t.dtype] for t in tensors.values() if t.dtype in FLOAT_ST | _FP8_ST]
+    return float(min(floats, default=2))
 
 
 def _check_dtypes(path: Path, tensors: dict[str, TensorInfo], *, declared: str | None, fp8: bool) -> str:
@@ -426,10 +480,9 @@ def config_from_dir(path: Path) -> tuple[Any, ModelFamily, dict[str, Any]]:
     """Config, family and raw dict of a config-only directory (no weights to validate)."""
     from bridge_ext.hf.config import load_hf_config
 
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}/config.json is not valid JSON ({exc.msg})") from None
+    raw = read_json_capped(path / "config.json", what="config.json")
     if not isinstance(raw, dict):
         raise UserError(f"{path}/config.json is not a JSON object")
-    return load_hf_config(path), convertible_family(raw, where=path / "config.json"), raw
+    model_family = convertible_family(raw, where=path / "config.json")
+    check_config_sizes(raw, where=path / "config.json")
+    return load_hf_config(path), model_family, raw

@@ -24,6 +24,7 @@ from bridge_ext.convert.stream.hf_io import HFByteReader, LazyHFState
 from bridge_ext.convert.stream.skeleton import NeedsModel, Skeleton, build_skeleton, cpu_twin
 from bridge_ext.convert.stream.torch_dist import make_strategy
 from bridge_ext.errors import UserError
+from bridge_ext.hf.untrusted import check_loaded_finite
 
 __all__ = ["DEFAULT_THREADS", "import_streaming", "save_skeleton_checkpoint"]
 
@@ -103,6 +104,7 @@ class _Converter:
         task = self.skeleton.tasks[owner]
         param = self.skeleton.params[owner]
         hf_weights = self.load(task.mapping.hf_param, self.state)
+        check_loaded_finite(hf_weights, task.mapping.hf_param, source=self.source)
         converted = task.mapping.hf_to_megatron(hf_weights, cpu_twin(task.megatron_module))
         del hf_weights
         if converted is None or converted.device.type == "meta":
