@@ -37,7 +37,7 @@ from bridge_ext.checkpoints.pickles import load_metadata
 from bridge_ext.errors import UserError
 from bridge_ext.runtime import write_atomic
 
-__all__ = ["FLAG", "RECORD_DIR", "Scope", "Verified", "verify", "write_record"]
+__all__ = ["FLAG", "RECORD_DIR", "Scope", "Verified", "rewrite_record", "verify", "write_record"]
 
 RECORD_DIR = ".integrity"
 _FORMAT = 1
@@ -127,6 +127,14 @@ def write_record(iter_dir: str | Path, *, rank: int, world_size: int) -> int:
     (iter_dir / RECORD_DIR).mkdir(exist_ok=True)
     write_atomic(iter_dir / RECORD_DIR / _record_name(rank), json.dumps(record, separators=(",", ":")), fsync=True)
     return sum(os.path.getsize(iter_dir / name) for name in files)
+
+
+def rewrite_record(iter_dir: str | Path, *, rank: int = 0) -> None:
+    """Record ``rank``'s files again after its process changed them once the save was over (``nemo llm import``
+    drops a file and adds the tokenizer); nothing when the save wrote no record."""
+    path = Path(iter_dir) / RECORD_DIR / _record_name(rank)
+    if path.is_file():
+        write_record(iter_dir, rank=rank, world_size=int(json.loads(path.read_text())["world_size"]))
 
 
 @dataclass(frozen=True)
