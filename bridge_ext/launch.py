@@ -79,6 +79,7 @@ class LaunchOptions:
     sbatch: list[str] = field(default_factory=list)  # KEY=VALUE, extra #SBATCH options
     device: Literal["auto", "gpu", "cpu"] = "auto"  # passed on to every rank
     checksums: bool = True  # False: --no-checksums, passed on to every rank
+    init: Literal["by-name", "upstream"] = "by-name"  # --init, passed on to every rank
     data: Literal["auto", "text", "mock"] = "auto"
     dryrun: bool = False  # print NeMo-Run's script or torchrun command; submit and write nothing
 
@@ -187,6 +188,8 @@ def _task_args(options: LaunchOptions, recipe: Any, layout: str, config: str) ->
         out += ["--data", options.data]
     if not options.checksums:
         out.append("--no-checksums")
+    if options.init != "by-name":
+        out += ["--init", options.init]
     return out
 
 

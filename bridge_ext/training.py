@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.initialization import Init
 from bridge_ext.runtime import is_last_rank, is_rank_zero, world_size
 
 if TYPE_CHECKING:
@@ -49,10 +50,11 @@ class Prepared:
     data: str  # one line for the console
     callbacks: list[Any] = field(default_factory=list)
     checksums: bool = True  # saves write an integrity record, a resume checks it (bridge_ext.checkpoints.integrity)
+    init: Init = "by-name"  # the same weights at step 0 in every layout (bridge_ext.initialization); or "upstream"
 
 
 def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", quiet: bool = False,
-            telemetry: bool = True, checksums: bool = True) -> Prepared:
+            telemetry: bool = True, checksums: bool = True, init: Init = "by-name") -> Prepared:
     """Make ``cfg`` ready to train on this machine; nothing here changes a config for GPUs except data.
 
     ``data``: ``text`` trains on the shipped standard-library corpus (``nemo llm prepare-data``), ``mock`` on
@@ -115,7 +117,14 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         callbacks.append(MuonTelemetry(interval=cfg.logger.log_interval))  # also keeps QK-clip's running max
     elif cfg.model.qk_clip:  # QK-clip needs the step's max over every micro-batch, telemetry or not
         callbacks.append(QKClipTracking())
-    return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks, checksums=checksums)
+    if init == "by-name":
+        import functools
+
+        from bridge_ext.initialization import init_by_name
+
+        # Megatron Bridge's hook for changing the model before it is wrapped (ModelProviderMixin, 0.3 to 0.6)
+        cfg.model.register_pre_wrap_hook(functools.partial(init_by_name, seed=cfg.rng.seed))
+    return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks, checksums=checksums, init=init)
 
 
 def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> bool:
@@ -164,13 +173,14 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     return stop.received
 
 
-def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", checksums: bool = True) -> bool:
+def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", checksums: bool = True,
+          init: Init = "by-name") -> bool:
     """``nemo llm pretrain``'s run of a resolved config on this machine, with its console lines; in CPU mode
     the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). True when it stopped early
     on its exit signal (after saving)."""
     import signal
 
-    prepared = prepare(recipe, cfg, device=device, data=data, checksums=checksums)
+    prepared = prepare(recipe, cfg, device=device, data=data, checksums=checksums, init=init)
     say = print if is_rank_zero() else (lambda *a, **k: None)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
@@ -395,7 +405,7 @@ def use_finetune_data(recipe: Any, cfg: Any, data: str | Path) -> tuple[Path, An
 
 def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto", callbacks: list[Any] = (),
                  quiet: bool = False, record_dir: Path | None = None, loss_extra: dict[str, Any] | None = None,
-                 telemetry: bool = True, checksums: bool = True) -> Path:
+                 telemetry: bool = True, checksums: bool = True, init: Init = "by-name") -> Path:
     """Check the checkpoint, render the data, then Megatron Bridge's fine-tuning run. Returns the run's directory.
 
     ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``). On CPU the training and
@@ -406,7 +416,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
     say(f"data: {data}: {prepared_data.train} training and {prepared_data.validation} held-out records, rendered "
         f"with {tokenizer}'s chat template, training order of seed {cfg.dataset.seed} ({prepared_data.root})",
         file=sys.stderr)
-    prepared = prepare(recipe, cfg, device=device, quiet=quiet, telemetry=telemetry, checksums=checksums)
+    prepared = prepare(recipe, cfg, device=device, quiet=quiet, telemetry=telemetry, checksums=checksums, init=init)
     if prepared.use_cpu:
         say("CPU mode: no GPU visible (or --device cpu); a development and testing mode", file=sys.stderr)
     run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")

@@ -27,6 +27,11 @@ selection beside its other tests. How it stays cheap:
   (``cpu-tp2-ep2``), then 2 (every 2-process layout, the pairs into them, then the ``--tp/--pp/--ep`` exports),
   then this process, then one more 4-process launch for the pairs into ``cpu-tp2-ep2`` (their sources are
   saved by the 2-process launch). A run's own cost is ~2.5 s (2 processes) of start-up around 1-2 iterations.
+- From step 0 in every layout (issue 38): per family, a 2-iteration run from scratch in each shipped layout,
+  saved at iterations 1 and 2, in the same launches: the first loss equals the one-process reference's, the
+  second is within LOSS_TOL, and the weights saved at iteration 1 -- the step-0 weights: the recipes' warmup
+  starts at a learning rate of 0 -- equal a one-process scratch run's, read by torch's own DCP reader
+  (tests/ckpt_io.py). 2-iteration runs, ~2.5 s each in the launches already there.
 - Kimi K2's TP2 x EP2 checkpoint: the layout is in the files (2 stored chunks per query projection), and random
   regions the streaming reader reads across chunk borders equal torch's own DCP -> torch.save conversion.
 
@@ -113,6 +118,35 @@ def cycle(family: str, tmp: Path) -> tuple[Phase, list[Phase]]:
         phases.append(Phase(family, recipe, layout, load, step, iters, save, source))
         load, source = save, layout
     return reference, phases
+
+
+def from_scratch(family: str, tmp: Path) -> list[Phase]:
+    """Two iterations from step 0 in each of the family's shipped layouts (``cpu`` included), saved at 1 and 2."""
+    recipe = FAMILIES[family]
+    return [Phase(family, recipe, layout, None, 0, 2, tmp / f"{family}-scratch-{layout}")
+            for layout in shipped_cpu_layouts(recipe)]
+
+
+def check_from_scratch(scratch: list[Phase], references: dict[str, Phase]) -> None:
+    """Every layout starts where one process starts: the first loss equal, the second within LOSS_TOL, and the
+    weights at iteration 1 (the warmup's learning rate 0: the step-0 weights) equal, tensor by tensor."""
+    import torch
+
+    from ckpt_io import read_global_tensors
+
+    ones = {p.recipe: p for p in scratch if p.layout == "cpu"}
+    for p in scratch:
+        got, want = _losses(p.save), _losses(references[p.recipe].save)
+        assert got[1] == want[1] and abs(got[2] - want[2]) <= LOSS_TOL, (p.save.name, got, want)
+        if p.layout == "cpu":
+            continue
+        mine = read_global_tensors(p.save / "iter_0000001")
+        one = read_global_tensors(ones[p.recipe].save / "iter_0000001")
+        weights = [k for k in one if not k.startswith("optimizer") and isinstance(one[k], torch.Tensor)
+                   and one[k].dim() >= 1]
+        assert len(weights) > 10, sorted(one)
+        for key in weights:
+            assert torch.equal(mine[key], one[key]), (p.save.name, key)
 
 
 def saved_checkpoints(reference: Phase, phases: list[Phase]) -> dict[str, tuple[Path, int]]:
@@ -353,6 +387,7 @@ class Matrix:
 
     references: dict[str, Phase]
     resumes: list[Phase]
+    scratch: list[Phase]
     exported_here: dict
     exported_on_two: dict
     refused: Phase
@@ -361,8 +396,9 @@ class Matrix:
 def run_matrix(tmp: Path, families: list[str], *, times: dict) -> Matrix:
     """The references, cycles and every other pair of ``families``, the exports of each cycle checkpoint, and
     the AdamW DP2 runs."""
-    references, cycles, saved = {}, [], {}
+    references, cycles, saved, scratch = {}, [], {}, []
     for family in families:
+        scratch += from_scratch(family, tmp)
         reference, phases = cycle(family, tmp)
         references[reference.recipe] = reference
         cycles += phases
@@ -380,12 +416,12 @@ def run_matrix(tmp: Path, families: list[str], *, times: dict) -> Matrix:
     # pair's source is a checkpoint of the reference or the cycle, saved by then, except for pairs into a layout
     # of more processes than the cycle's 2-process phases (cpu-tp2-ep2): those need one more 4-process launch.
     later = [p for p in extra if p.processes > 2]
-    _run(cycles + adamw_phases + [p for p in extra if p.processes <= 2], plan, tmp, times)
+    _run(cycles + adamw_phases + scratch + [p for p in extra if p.processes <= 2], plan, tmp, times)
     _run(later, [], tmp, times)
     # the distributed optimizer's checkpoint (optimizer state in per-bucket shards) exports too
     saved["qwen3-adamw"] = {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}
     here = _export_here(saved, tmp, times)
-    return Matrix(references, cycles + adamw_phases + extra, here, distributed, refused)
+    return Matrix(references, cycles + adamw_phases + extra, scratch, here, distributed, refused)
 
 
 @pytest.mark.slow
@@ -402,6 +438,7 @@ def test_every_family_saved_in_every_layout_exports_and_resumes_in_every_other(c
     saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
     check_stored_chunks(saved.save, saved.iters, tp=2)
     check_integrity_records(done.resumes)
+    check_from_scratch(done.scratch, done.references)
     check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
     check_losses(done.resumes, done.references)

@@ -87,6 +87,9 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
     p.add_argument("--overwrite", action="store_true", help="let --to-yaml replace an existing file")
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: CPU mode when no GPU is visible")
+    p.add_argument("--init", choices=("by-name", "upstream"), default="by-name",
+                   help="by-name: each weight drawn from the seed and its name, the same in every layout; upstream: "
+                        "megatron-core's per-rank draws (docs/cpu.md)")
     p.add_argument("--no-checksums", dest="checksums", action="store_false",
                    help="saves write no integrity record and a resume checks none (docs/checkpoints.md: its cost)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                             "--hf DIR")
         if console is not None:
             console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
-        run_finetune(resolved.recipe, resolved.cfg, data=args.data, device=args.device, checksums=args.checksums)
+        run_finetune(resolved.recipe, resolved.cfg, data=args.data, device=args.device, checksums=args.checksums,
+                     init=args.init)
     return 0
 
 

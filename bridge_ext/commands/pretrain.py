@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         resolved = resolve(args, get=get_recipe)
         if console is not None:
             console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
-        stopped = train(resolved.recipe, resolved.cfg, device=args.device, data=args.data, checksums=args.checksums)
+        stopped = train(resolved.recipe, resolved.cfg, device=args.device, data=args.data, checksums=args.checksums,
+                        init=args.init)
     if stopped:
         note_stopped_run()
     return 0
@@ -92,7 +93,7 @@ def _launch(args: argparse.Namespace, get_recipe: Any) -> int:
         partition=args.partition, time=args.time, container_image=args.container_image,
         container_mounts=args.container_mounts, job_dir=args.job_dir, packager=args.packager, env=args.env,
         sbatch=args.sbatch, device=args.device, data=args.data, dryrun=args.dryrun, stop_before=args.stop_before,
-        requeue=args.requeue, checksums=args.checksums)
+        requeue=args.requeue, checksums=args.checksums, init=args.init)
     chosen = recipe.layout(args.layout)
     nodes, per_node = check_launch(options, gpus=chosen.gpus, cluster=chosen.cluster)
     resolved = resolve(args, get=get_recipe)
