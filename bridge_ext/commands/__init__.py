@@ -18,7 +18,9 @@ from typing import Literal
 
 from bridge_ext.commands import (
     compare,
+    evaluate,
     finetune,
+    generate,
     hf_export,
     hf_import,
     info,
@@ -48,6 +50,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("plan", plan.add_parser, plan.run),
     Command("rehearse", rehearse.add_parser, rehearse.run),
     Command("finetune", finetune.add_parser, finetune.run, recipe="needed", nemo_run="--factory", unless=("--list",)),
+    Command("evaluate", evaluate.add_parser, evaluate.run),
+    Command("generate", generate.add_parser, generate.run),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}
 _HELP = ("-h", "--help")
