@@ -318,9 +318,10 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     Megatron Bridge's ``ConfigContainer.validate()``, which runs ``TransformerConfig.__post_init__`` (heads
     and query groups vs TP, layers vs PP/VP or the pipeline layout string). Validation mutates (finalizes)
     the config, so it runs on a deep copy. Checks that need the GPU or Transformer Engine on *this* machine
-    are skipped when they are absent (``bridge_ext.cpu.validation_without_gpu``). Every problem is a ``UserError``.
+    are skipped when they are absent (``bridge_ext.validation.validation_without_gpu``). Every problem is a
+    ``UserError``.
     """
-    from bridge_ext.cpu import validation_without_gpu
+    from bridge_ext.validation import validation_without_gpu
     from bridge_ext.patches.adapters import mixed_precision_for_validate, sft_root_for_validate
 
     problems = _size_problems(cfg) or _launch_problems(cfg, gpus, max_positions)

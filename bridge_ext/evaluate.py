@@ -196,9 +196,9 @@ def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | 
 
     verify(iter_dir, scope="model", checksums=checksums)
     from bridge_ext.convert.report import quiet_upstream
-    from bridge_ext.inference.model import _quiet_native_output
+    from bridge_ext.inference.model import quiet_native_output
 
-    with quiet_upstream(verbose=verbose), _quiet_native_output(not verbose):
+    with quiet_upstream(verbose=verbose), quiet_native_output(not verbose):
         cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens)
     if capture.loss is None:
         raise UserError(f"Megatron Bridge's evaluation of {iter_dir} returned no loss (no validation data?)")

@@ -301,7 +301,7 @@ def test_training_runs_in_one_process_free_their_models_and_compile_nothing(cpu_
 
 
 def test_validation_without_gpu_turns_off_only_te_kernel_flags():
-    """The TE-kernel check it sidesteps (``cpu.config._TE_KERNEL_FLAGS``) is still where it was; the skipped
+    """The TE-kernel check it sidesteps (``bridge_ext.validation.TE_KERNEL_FLAGS``) is still where it was; the skipped
     GPU call is the ``validate-without-gpu`` patch (tests/test_patches.py)."""
     import inspect
 

@@ -506,12 +506,9 @@ def test_no_import_cycles_between_our_modules():
 def test_a_patch_file_is_one_area():
     """The area is the file's (docs/patches.md groups by it): every row a module of the registry declares (CPU
     mode's: bridge_ext/cpu/patches) has the same area, and the modules hold every registered patch."""
-    import inspect
-
-    files = {name: module for name, module in vars(registry).items()
-             if inspect.ismodule(module) and hasattr(module, "PATCHES")}
-    assert sorted(p.name for module in files.values() for p in module.PATCHES) == sorted(p.name for p in patches.REGISTRY)
-    areas = {name: {p.area for p in module.PATCHES} for name, module in files.items()}
+    files = {table.__name__.lstrip("_"): table() for table in registry.TABLES_IN_ORDER}
+    assert sorted(p.name for rows in files.values() for p in rows) == sorted(p.name for p in patches.REGISTRY)
+    areas = {name: {p.area for p in rows} for name, rows in files.items()}
     assert all(len(area) == 1 for area in areas.values()), areas
     assert areas["transformer"] == {"transformer"} and areas["checkpointing"] == {"checkpointing"}
     assert areas["conversion"] == {"conversion"} and areas["cpu"] == {"cpu"}
@@ -528,3 +525,41 @@ def test_a_moved_class_is_found_in_its_installed_home_or_named_as_drift():
     with pytest.raises(UpstreamDrift) as info:
         first_defined("NoSuchClass", "json", "json.decoder")
     assert str(info.value).count("\n") == 0 and "json, json.decoder" in str(info.value)
+
+
+def test_each_scope_loads_the_tables_that_hold_its_rows():
+    """registry.TABLES, which a process follows to import only the tables of the scopes it applies, names for every
+    row the table that holds it."""
+    from bridge_ext.patches import registry
+
+    owner = {id(row): table for table in registry.TABLES_IN_ORDER for row in table()}
+    assert len(owner) == len(patches.REGISTRY)
+    misplaced = [(p.name, p.scope) for p in patches.REGISTRY if owner[id(p)] not in registry.TABLES.get(p.scope, ())]
+    assert misplaced == [], "add their tables to registry.TABLES"
+
+
+GPU_PATH = """
+import sys
+import bridge_ext.api, bridge_ext.build, bridge_ext.commands.pretrain, bridge_ext.convert, bridge_ext.training
+from bridge_ext import patches
+from bridge_ext.api import recipe_config
+cfg = recipe_config("qwen3_0p6b_muon")  # built and validated for its GPU layout
+for scope in ("import", "config", "stack", "muon", "checkpointing", "conversion"):
+    patches.apply(scope)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("bridge_ext"))))
+"""
+
+
+@pytest.mark.slow
+def test_the_gpu_path_carries_no_cpu_harness_and_no_rehearsal():
+    """What a GPU run imports and applies (its commands, build and validation of a GPU recipe, the scopes a GPU run
+    applies) loads no module of bridge_ext/cpu or bridge_ext/rehearse and no rehearsal patch table (issue 39)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", GPU_PATH], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = done.stdout.split()
+    assert "bridge_ext.build" in loaded and "bridge_ext.patches.optimizer" in loaded  # the probe saw the GPU path
+    harness = [m for m in loaded if m.startswith(("bridge_ext.cpu", "bridge_ext.rehearse", "bridge_ext.patches.rehearse"))]
+    assert harness == [], harness

@@ -214,12 +214,13 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
 def stack_lines(*, muon: bool, lora: bool) -> list[str]:
     """The installed Megatron stack and the upstream fixes (bridge_ext/patches) a run of this config applies on it:
     what a run on this stack changes upstream, so that the same dry run on another container says what differs."""
-    from bridge_ext.cpu import cpu_mode_active
     from bridge_ext.patches import applied_here
     from bridge_ext.stack import describe_stack
 
+    cpu = sys.modules.get("bridge_ext.cpu")  # CPU mode is on only in a process that imported it and switched it on
     scopes = ["import", "config", "stack", "checkpointing"]
-    scopes += ["muon"] * muon + ["lora"] * lora + ["lora-muon"] * (lora and muon) + ["cpu"] * cpu_mode_active()
+    scopes += ["muon"] * muon + ["lora"] * lora + ["lora-muon"] * (lora and muon)
+    scopes += ["cpu"] * bool(cpu is not None and cpu.cpu_mode_active())
     fixes = applied_here(scopes)
     return [f"stack       {describe_stack()}",
             f"fixes       {len(fixes)} upstream fixes apply here ({', '.join(fixes) or 'none'}; docs/patches.md)"]

@@ -3,7 +3,9 @@
 The CPU harness, apart from the GPU path's deviations (``bridge_ext.patches``), in one package:
 
 * :mod:`bridge_ext.cpu.config`: official settings and process setup (:func:`configure_for_cpu`, the local layer
-  spec, gloo process groups, resetting Megatron's globals between runs, validating a GPU recipe without a GPU).
+  spec, gloo process groups, resetting Megatron's globals between runs).
+
+A GPU run imports nothing of this package (tests/test_layering.py): it is imported where CPU mode is switched on.
 * :mod:`bridge_ext.cpu.sdpa_attention`: :class:`SDPACoreAttention`, MLA's core attention without Transformer
   Engine (also a GPU run's without TE: ``bridge_ext.without_te``).
 * :mod:`bridge_ext.cpu.patches`: the patches CPU mode needs (scope ``cpu``, area ``cpu``; registered in
@@ -19,7 +21,6 @@ from bridge_ext.cpu.config import (
     init_cpu_distributed,
     init_single_process_distributed,
     reset_megatron_globals,
-    validation_without_gpu,
 )
 from bridge_ext.cpu.mode import cpu_mode_active, enable_cpu_mode
 from bridge_ext.cpu.sdpa_attention import SDPACoreAttention
@@ -32,5 +33,4 @@ __all__ = [
     "init_cpu_distributed",
     "init_single_process_distributed",
     "reset_megatron_globals",
-    "validation_without_gpu",
 ]

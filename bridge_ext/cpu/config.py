@@ -1,21 +1,18 @@
-"""Official settings that run a Megatron Bridge config on CPU processes (one, or several under torchrun),
-process setup, and validating a GPU recipe on a machine without a GPU (``--dryrun``). No patches here: CPU mode's
-are in ``bridge_ext.cpu.patches``.
+"""Official settings that run a Megatron Bridge config on CPU processes (one, or several under torchrun) and
+process setup. No patches here: CPU mode's are in ``bridge_ext.cpu.patches``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
-from bridge_ext import patching, runtime
+from bridge_ext import runtime
 from bridge_ext.errors import UserError
-from bridge_ext.stack import have_transformer_engine
 from bridge_ext.without_te import TE_KERNEL_SETTINGS, local_layer_spec
 
 __all__ = ["configure_for_cpu", "init_cpu_distributed", "init_single_process_distributed",
-           "processes_needed", "reset_megatron_globals", "validation_without_gpu"]
+           "processes_needed", "reset_megatron_globals"]
 
 
 
@@ -239,30 +236,3 @@ def configure_for_cpu(cfg: Any, *, world_size: int | None = None) -> str | None:
     cfg.nvrx_straggler = None
     cfg.checkpoint.fully_parallel_load = False  # exchange_utils.py:98 allocates shards with init_data("cuda")
     return note
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Validating a GPU recipe on a machine without a GPU or without Transformer Engine (``--dryrun``)
-# ---------------------------------------------------------------------------------------------------------
-
-# Provider flags whose validation only checks that Transformer Engine kernels import on *this* machine:
-# megatron/core/transformer/transformer_config.py:1834 (megatron-core 0.16.1) for moe_permute_fusion.
-_TE_KERNEL_FLAGS = ("moe_permute_fusion",)
-
-
-@contextlib.contextmanager
-def validation_without_gpu(cfg: Any):
-    """Run ``ConfigContainer.validate()`` for a GPU target on a machine that lacks the GPU or TE.
-
-    - ``megatron/bridge/training/config.py``: ``ConfigContainer.validate()`` ends with
-      ``validate_flex_dispatcher_backend`` (``training/flex_dispatcher_backend.py``), which reads
-      ``torch.cuda.get_device_properties(0)``: skipped when no GPU is visible (patch ``validate-without-gpu``).
-    - TE-kernel flags (``_TE_KERNEL_FLAGS``) are turned off on ``cfg`` (a copy being validated) when TE is
-      absent: their check says whether TE is installed here, nothing about the target.
-    Everything else ``validate()`` checks still runs.
-    """
-    if not have_transformer_engine():
-        for flag in _TE_KERNEL_FLAGS:
-            setattr(cfg.model, flag, False)
-    with patching.temporarily("dryrun"):  # validate-without-gpu
-        yield

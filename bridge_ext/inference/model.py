@@ -22,8 +22,8 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["HFModel", "MegatronModel", "checkpoint_tokenizer", "check_fits", "hf_model", "megatron_model",
-           "open_checkpoint", "read_run_config"]
+__all__ = ["HFModel", "MegatronModel", "check_fits", "checkpoint_tokenizer", "hf_model", "megatron_model",
+           "open_checkpoint", "quiet_native_output", "read_run_config"]
 
 
 def read_run_config(iter_dir: Path) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def megatron_model(ckpt: str | Path, *, iteration: int | None = None, tokenizer:
     from bridge_ext.convert.report import quiet_upstream
 
     with contextlib.ExitStack() as stack:
-        with quiet_upstream(verbose=verbose), _quiet_native_output(not verbose):
+        with quiet_upstream(verbose=verbose), quiet_native_output(not verbose):
             loaded = _build(stack, iter_dir, number, run_config, tok, int(vocab))
         import torch
 
@@ -200,7 +200,7 @@ def _build(stack: contextlib.ExitStack, iter_dir: Path, number: int, run_config:
 
 
 @contextlib.contextmanager
-def _quiet_native_output(enabled: bool) -> Iterator[None]:
+def quiet_native_output(enabled: bool) -> Iterator[None]:
     """Native writes to file descriptors 1 and 2 (gloo's "[Gloo] Rank 0 is connected ..." for every process
     group) go to a temporary file while the model is built; shown on stderr if building fails."""
     import os

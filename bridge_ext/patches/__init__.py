@@ -28,17 +28,26 @@ Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, 
 ``python -m bridge_ext.patches`` prints the table (``--markdown``: docs/patches.md).
 """
 
+from typing import Any
+
 from bridge_ext.patching import Area, Patch, Scope, problems
+from bridge_ext.patches import registry
 from bridge_ext.patches.registry import (
-    REGISTRY,
     applied,
     applied_here,
     apply,
     drift,
     markdown,
+    rows,
     table,
     temporarily,
 )
 
 __all__ = ["REGISTRY", "Area", "Patch", "Scope", "applied", "applied_here", "apply", "drift", "markdown", "problems",
-           "table", "temporarily"]
+           "rows", "table", "temporarily"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REGISTRY":  # every table: loaded on first use (registry.TABLES: a scope imports only its own)
+        return registry.REGISTRY
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """The registry: every patch, and applying, checking and listing them.
 
-:data:`REGISTRY` lists every patch of the package, by upstream area (one module each). ``apply(scope)`` applies
+:data:`REGISTRY` lists every patch of the package, by upstream area (one module each); it is loaded on first use.
+A process that applies a scope imports only the tables that hold that scope's rows (:data:`TABLES`): a GPU run
+never imports CPU mode's or the rehearsal's tables (nor, with them, ``bridge_ext.cpu``). ``apply(scope)`` applies
 a scope's patches that the installed code needs, once per process, after checking that each still fits
 (nothing is changed when one does not: one line of :class:`~bridge_ext.stack.UpstreamDrift`). ``drift()`` is
 the same check for every patch, ``table()`` the rows of docs/patches.md and ``applied()`` what this process
@@ -13,31 +15,108 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from bridge_ext import patching
-from bridge_ext.cpu import patches as cpu
-from bridge_ext.patches import (checkpointing, conversion, import_time, launch, optimizer, optimizer_fields,
-                                 rehearse, tensor_parallel, training, transformer)
 from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
-__all__ = ["REGISTRY", "applied", "applied_here", "apply", "drift", "markdown", "table", "temporarily"]
+__all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown", "rows",
+           "table", "temporarily"]
 
-REGISTRY: tuple[Patch, ...] = (
-    *import_time.PATCHES,
-    *optimizer.PATCHES,
-    *optimizer_fields.PATCHES,
-    *transformer.PATCHES,
-    *tensor_parallel.PATCHES,
-    *training.PATCHES,
-    *checkpointing.PATCHES,
-    *conversion.PATCHES,
-    *cpu.PATCHES,
-    *rehearse.PATCHES,
-    *launch.PATCHES,
-)
+# One loader per table (function-level imports: the import graph sees them), in REGISTRY's order.
+def _import_time() -> tuple[Patch, ...]:
+    from bridge_ext.patches import import_time
+    return import_time.PATCHES
+
+
+def _optimizer() -> tuple[Patch, ...]:
+    from bridge_ext.patches import optimizer
+    return optimizer.PATCHES
+
+
+def _optimizer_fields() -> tuple[Patch, ...]:
+    from bridge_ext.patches import optimizer_fields
+    return optimizer_fields.PATCHES
+
+
+def _transformer() -> tuple[Patch, ...]:
+    from bridge_ext.patches import transformer
+    return transformer.PATCHES
+
+
+def _tensor_parallel() -> tuple[Patch, ...]:
+    from bridge_ext.patches import tensor_parallel
+    return tensor_parallel.PATCHES
+
+
+def _training() -> tuple[Patch, ...]:
+    from bridge_ext.patches import training
+    return training.PATCHES
+
+
+def _checkpointing() -> tuple[Patch, ...]:
+    from bridge_ext.patches import checkpointing
+    return checkpointing.PATCHES
+
+
+def _conversion() -> tuple[Patch, ...]:
+    from bridge_ext.patches import conversion
+    return conversion.PATCHES
+
+
+def _cpu() -> tuple[Patch, ...]:
+    from bridge_ext.cpu import patches as cpu
+    return cpu.PATCHES
+
+
+def _rehearse() -> tuple[Patch, ...]:
+    from bridge_ext.patches import rehearse
+    return rehearse.PATCHES
+
+
+def _launch() -> tuple[Patch, ...]:
+    from bridge_ext.patches import launch
+    return launch.PATCHES
+
+
+TABLES_IN_ORDER = (_import_time, _optimizer, _optimizer_fields, _transformer, _tensor_parallel, _training,
+                   _checkpointing, _conversion, _cpu, _rehearse, _launch)
+# Scope -> the tables holding its rows (tests/test_patches.py checks it against every row).
+TABLES: dict[str, tuple[Callable[[], tuple[Patch, ...]], ...]] = {
+    "import": (_import_time,),
+    "lora": (_import_time,),
+    "muon": (_optimizer,),
+    "lora-muon": (_optimizer,),
+    "stack": (_optimizer, _optimizer_fields, _transformer, _tensor_parallel, _training),
+    "config": (_training,),
+    "dryrun": (_training,),
+    "checkpointing": (_checkpointing,),
+    "conversion": (_transformer, _conversion),
+    "cpu": (_cpu,),
+    "rehearse": (_rehearse,),
+    "launch": (_launch,),
+}
+
+
+def _load(tables: Iterable[Callable[[], tuple[Patch, ...]]]) -> tuple[Patch, ...]:
+    return tuple(row for table in tables for row in table())
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REGISTRY":  # every table, loaded once (docs, drift checks, tests)
+        globals()["REGISTRY"] = _load(TABLES_IN_ORDER)
+        return globals()["REGISTRY"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def rows(scope: Scope | None = None) -> tuple[Patch, ...]:
+    """The rows of ``scope`` (all: None), importing only the tables that hold them unless all are loaded."""
+    loaded = globals().get("REGISTRY")
+    if loaded is None:
+        loaded = _load(TABLES_IN_ORDER) if scope is None else _load(TABLES.get(scope, ()))
+    return tuple(p for p in loaded if scope is None or p.scope == scope)
 
 # What a refusal names: the scope's part of the package.
 _WHAT: dict[str, str] = {"cpu": "CPU mode", "stack": "the stack fixes", "muon": "the Muon patches",
@@ -53,7 +132,7 @@ def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
     Idempotent. Every one is decided (``needed()``) and checked first: an unknown upstream shape raises
     :class:`~bridge_ext.stack.UpstreamDrift` (one line) and nothing is changed.
     """
-    chosen = [p for p in REGISTRY if p.scope == scope and (not only or p.name in only)]
+    chosen = [p for p in rows(scope) if not only or p.name in only]
     if only and len(chosen) != len(set(only)):
         raise KeyError(f"no {scope} patch named {sorted(set(only) - {p.name for p in chosen})}")
     pending = [p for p in chosen if p.name not in _applied]
@@ -74,7 +153,7 @@ def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
 @contextlib.contextmanager
 def temporarily(scope: Scope) -> Iterator[tuple[str, ...]]:
     """Apply the scope's needed patches for the duration of a ``with`` block, then restore upstream's values."""
-    needed = [p for p in REGISTRY if p.scope == scope and p.name not in _applied and p.needed()]
+    needed = [p for p in rows(scope) if p.name not in _applied and p.needed()]
     found = [line for p in needed for line in problems(p)]
     if found:
         raise UpstreamDrift(f"{_WHAT.get(scope, scope)} does not fit the installed code: {found[0]}")
@@ -110,14 +189,14 @@ def _decide(patch: Patch) -> bool | str:
 def applied_here(scopes: Iterable[Scope] | None = None) -> tuple[str, ...]:
     """The names of the patches (of ``scopes``, default all) that the installed stack needs."""
     wanted = set(scopes) if scopes is not None else None
-    return tuple(p.name for p in REGISTRY if (wanted is None or p.scope in wanted) and _decide(p) is True)
+    return tuple(p.name for p in rows() if (wanted is None or p.scope in wanted) and _decide(p) is True)
 
 
 def drift() -> list[str]:
     """What no longer fits upstream, one line each, for every patch the installed code needs; empty when all
     fit (tests/test_patches.py). A patch that is applied already is checked by its snippets and target only."""
     out: list[str] = []
-    for patch in REGISTRY:
+    for patch in rows():
         decided = _decide(patch)
         if isinstance(decided, str):
             out.append(f"{decided} ({patch.name})")
@@ -133,13 +212,13 @@ def _without_value_check(patch: Patch) -> Patch:
 def table() -> list[dict[str, str]]:
     """One row per patch: name, area, scope, target, upstream, condition, why, and whether it applies on the
     installed stack ("yes", "no", or "drift: ..." when its check meets code it does not know)."""
-    rows = []
-    for patch in REGISTRY:
+    out = []
+    for patch in rows():
         decided = _decide(patch)
         here = "yes" if decided is True else "no" if decided is False else f"drift: {decided}"
-        rows.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
+        out.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
                      "upstream": patch.upstream, "condition": patch.when, "why": patch.why, "applies here": here})
-    return rows
+    return out
 
 
 _AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "launch",
@@ -148,7 +227,7 @@ _AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "
 
 def markdown() -> str:
     """docs/patches.md: every patch by area, its upstream code, condition and whether it applies here."""
-    rows = table()
+    listed = table()
     lines = [
         "# Every change to upstream behaviour",
         "",
@@ -161,7 +240,7 @@ def markdown() -> str:
         "",
     ]
     for area in _AREAS:
-        mine = [row for row in rows if row["area"] == area]
+        mine = [row for row in listed if row["area"] == area]
         if not mine:
             continue
         lines += [f"## {area} ({len(mine)})", "", "| patch | scope | target | upstream | condition | why | here |",
