@@ -24,7 +24,9 @@ and the table says so.
 
 ``--te`` (TE installed by ``bench/te/te.py``): the same steps on TE's layer specs, then ``te_probe``, the fp8 rows,
 QK-clip on TE attention (MLA, GQA) and the import -> step -> export round trip (docs/launch.md, "The TE path on the
-lent GPU"); ``--te --dry-run`` checks every config on CPU without importing TE.
+lent GPU"); ``--te --dry-run`` checks every config on CPU without importing TE. The QK-clip and round-trip checks
+are ``bench/te/workers.py`` (``--spec te|local``, ``--device cuda|cpu``); ``--te --rehearse --only qk_clip,round_trip``
+runs them on CPU with the local spec (no GPU, no TE; ``--recipe NAME`` keeps one recipe).
 """
 
 from __future__ import annotations
@@ -69,8 +71,13 @@ FP8_PRECISIONS = ("bf16_with_fp8_delayed_scaling_mixed", "bf16_with_fp8_current_
 # QK-clip and the max-logit telemetry on TE's attention: MLA (Kimi K2) and GQA (Qwen3); after a clip the max
 # logit of the same batch must be <= tau.
 QK_CLIP_RECIPES = {"kimi_k2_proxy_muon": "MLA", "qwen3_proxy_muon": "GQA"}
-QK_CLIP_TAU = 5.0  # low, so that the proxies clip from the first steps (their logits start near 10)
-# HF import -> one training step -> export, TE spec vs local spec: same weights within bf16 rounding of one step.
+# The proxies' logits start near 0.1: bench/te/workers.py scales a few heads' initial query weights so that they start
+# at 40-120 and the clip acts from step 1; tau low so that the clipped heads stay at it while the rest train freely.
+QK_CLIP_TAU = 5.0
+QK_CLIP_ITERS = 5
+# HF import -> one training step -> export, TE spec vs local spec, in fp32 (TF32 off): the same weights within the
+# summation-order noise of one step. bf16 would not do: one bf16 ulp of a weight is about half of the step's
+# per-element update, so rounding flips alone would be ~5-10 % of the update (bench/te/workers.py).
 ROUND_TRIP_RECIPES = ("qwen3_proxy_muon", "kimi_k2_proxy_muon")
 ROUND_TRIP_REL_TOL = 2e-2  # per tensor: ||te - local|| / ||local - imported||, i.e. of the step's own update
 
@@ -101,12 +108,12 @@ def plan_steps(*, iters: int, steps: int, te: bool = False) -> list[dict[str, An
                         "precision": precision, "what": f"{precision}: loss curve vs the bf16 reference "
                                                         f"({FP8_CURVE_MEAN_ABS_TOL}/{FP8_CURVE_TAIL_REL_TOL:.0%})"})
     for recipe, kind in QK_CLIP_RECIPES.items():
-        out.append({"step": "qk_clip", "recipe": recipe, "layout": LAYOUT, "iters": 5, "attention": kind,
-                    "what": f"{kind} on TE attention: kernel max logit logged; after a clip max logit <= "
-                            f"tau={QK_CLIP_TAU}"})
+        out.append({"step": "qk_clip", "recipe": recipe, "layout": LAYOUT, "iters": QK_CLIP_ITERS, "attention": kind,
+                    "what": f"{kind} on TE attention{' (QK-norm off)' if kind == 'GQA' else ''}: kernel max logit "
+                            f"logged; after the last clip max logit <= tau={QK_CLIP_TAU} (+5 %)"})
     for recipe in ROUND_TRIP_RECIPES:
         out.append({"step": "round_trip", "recipe": recipe, "layout": LAYOUT, "iters": 1,
-                    "what": f"HF import -> 1 step -> export on the TE spec vs the local spec "
+                    "what": f"HF import -> 1 step (fp32) -> export on the TE spec vs the local spec "
                             f"(rel {ROUND_TRIP_REL_TOL:g} of the step's update)"})
     return out
 
@@ -116,7 +123,10 @@ def step_values(step: dict[str, Any]) -> dict[str, Any]:
     if "precision" in step:
         return {"mixed_precision": step["precision"]}
     if step["step"] == "qk_clip":  # Qwen3's recipes leave QK-clip off: turned on here, tau low enough to clip
-        return {"model.qk_clip": True, "model.qk_clip_threshold": QK_CLIP_TAU, "model.log_max_attention_logit": True}
+        values = {"model.qk_clip": True, "model.qk_clip_threshold": QK_CLIP_TAU, "model.log_max_attention_logit": True}
+        if step.get("attention") == "GQA":  # QK-norm undoes any scaling of W_q / W_k: no weight-level clip can act
+            values["model.qk_layernorm"] = False  # under it (docs/muon.md); GQA's clip is checked without it
+        return values
     return {}
 
 
@@ -471,21 +481,71 @@ def run_te_steps(results: dict[str, Any], *, only: set[str], iters: int, work: P
                 runs[name]["reference"] = compare_curve(runs[name]["losses"], reference[step["recipe"]]["losses"],
                                                         mean_tol=FP8_CURVE_MEAN_ABS_TOL, tail_tol=FP8_CURVE_TAIL_REL_TOL)
         results["fp8"] = runs
-    for part in ("qk_clip", "round_trip"):
-        if part in only:  # planned and dry-run checked; their GPU workers are not written yet (docs/launch.md)
-            results[part] = {s["recipe"]: {"ok": False, "error": "not implemented yet: worker pending"}
-                             for s in plan_steps(iters=iters, steps=1, te=True) if s["step"] == part}
-            say(f"{part}: not implemented yet (planned: {', '.join(results[part])})")
+    run_te_workers(results, only=only, work=work, say=say)
+
+
+def run_te_workers(results: dict[str, Any], *, only: set[str], work: Path, say: Any, device: str = "cuda",
+                   recipes: set[str] | None = None) -> None:
+    """QK-clip on the attention's own max logit and the import -> step -> export round trip (bench/te/workers.py),
+    side by side (the proxies are tiny). ``device="cpu"``: the CPU rehearsal, local spec only (round trip: local vs
+    local, which rehearses every part but the TE spec itself)."""
+    workers = REPO / "bench" / "te" / "workers.py"
+    spec = "te" if device == "cuda" else "local"
+    procs: dict[tuple[str, str], tuple[subprocess.Popen, Path, Path]] = {}
+    for step in plan_steps(iters=1, steps=1, te=True):
+        part = step["step"]
+        if part not in ("qk_clip", "round_trip") or part not in only or (recipes and step["recipe"] not in recipes):
+            continue
+        name = f"{part}_{step['recipe']}"
+        out_json, log = work / f"{name}.json", work / f"{name}.log"
+        out_json.unlink(missing_ok=True)
+        if part == "qk_clip":
+            args = ["qk-clip", "--spec", spec, "--iters", str(step["iters"])]
+        else:
+            args = ["round-trip", "--specs", f"{spec},local", "--work", str(work / name)]
+        say(f"{part}: {step['recipe']} ({step.get('attention', 'import -> step -> export')}, {device}, {spec} spec)")
+        procs[(part, step["recipe"])] = (
+            _spawn([str(workers), *args, "--recipe", step["recipe"], "--device", device, "--result", str(out_json)],
+                   log=log), out_json, log)
+    started = time.perf_counter()
+    for (part, recipe), (proc, out_json, log) in procs.items():
+        try:
+            proc.wait(timeout=max(10.0, 420 - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if out_json.exists():  # the worker writes its result, passed or not
+            entry = json.loads(out_json.read_text())
+            if not entry.get("ok"):
+                entry["log_tail"] = _tail(log)
+        else:
+            entry = {"ok": False, "error": "timed out" if proc.returncode is None or proc.returncode < 0
+                     else f"exit {proc.returncode}", "log_tail": _tail(log)}
+        results.setdefault(part, {})[recipe] = entry
+        if part == "qk_clip":
+            say(f"qk_clip: {recipe}: " + (f"max logit after the clip {entry.get('after_clip_max')} (tau "
+                                          f"{entry.get('tau')}), measured vs recomputed "
+                                          f"{entry.get('measured_vs_recomputed_rel')}" if "after_clip_max" in entry
+                                          else entry.get("error", "")) + ("" if entry["ok"] else
+                                                                          f"; FAILED {entry.get('problems', '')}"))
+        else:
+            say(f"round_trip: {recipe}: " + (f"{entry.get('compared')}: max {entry.get('max_rel_of_update')} of the "
+                                             f"step's update ({entry.get('worst_tensor')})" if "compared" in entry
+                                             else entry.get("error", "")) + ("" if entry["ok"] else
+                                                                             f"; FAILED {entry.get('problems', '')}"))
 
 
 def markdown(results: dict[str, Any]) -> str:
     """The measured table (docs/launch.md)."""
     env = results.get("env", {})
-    lines = [f"GPU check of {results.get('started')}: {env.get('gpu', '?')} ({env.get('memory_gib', '?')} GiB), "
-             f"PyTorch {env.get('torch', '?')} CUDA {env.get('cuda', '?')}, {env.get('stack', '?')}; "
-             f"Transformer Engine: {'yes' if env.get('transformer_engine') else 'absent (local spec)'}; "
-             f"bf16 8192^3 matmul {env.get('bf16_matmul_tflops', '?')} TFLOP/s; {results.get('seconds')} s in all.",
-             ""]
+    if results.get("rehearsal"):
+        lines = [f"CPU rehearsal of {results.get('started')} ({results['rehearsal']}): "
+                 f"{results.get('seconds')} s in all.", ""]
+    else:
+        lines = [f"GPU check of {results.get('started')}: {env.get('gpu', '?')} ({env.get('memory_gib', '?')} GiB), "
+                 f"PyTorch {env.get('torch', '?')} CUDA {env.get('cuda', '?')}, {env.get('stack', '?')}; "
+                 f"Transformer Engine: {'yes' if env.get('transformer_engine') else 'absent (local spec)'}; "
+                 f"bf16 8192^3 matmul {env.get('bf16_matmul_tflops', '?')} TFLOP/s; {results.get('seconds')} s in all.",
+                 ""]
     proxies = results.get("proxies", {})
     if proxies:
         lines += ["| proxy run (h200x1, bf16) | iterations | first loss | last loss | wall s | vs reference |",
@@ -516,6 +576,26 @@ def markdown(results: dict[str, Any]) -> str:
             a, b = dense[names[0]], dense[names[1]]
             lines.append(f"\nMuon / AdamW: step time {a['step_ms'] / b['step_ms']:.3f}, optimizer step "
                          f"{a['optimizer_step_ms'] / b['optimizer_step_ms']:.2f}x.")
+        lines.append("")
+    clip = results.get("qk_clip", {})
+    if clip:
+        lines += ["| QK-clip (tau, forced heads) | attention | spec | max logit step 1 (before clip) | after the last "
+                  "clip / tau | measured vs recomputed | ok |", "|---|---|---|---|---|---|---|"]
+        for name, r in clip.items():
+            first = max(r["telemetry_max_per_step_and_layer"][0]) if r.get("telemetry_max_per_step_and_layer") else "-"
+            lines.append(f"| {name} (tau {r.get('tau')}) | {r.get('attention', '?')} | {r.get('spec', '?')} | "
+                         f"{first} | {r.get('after_over_tau', '-')} | {r.get('measured_vs_recomputed_rel', '-')} | "
+                         f"{'yes' if r.get('ok') else 'NO: ' + str(r.get('problems') or r.get('error'))} |")
+        lines.append("")
+    trip = results.get("round_trip", {})
+    if trip:
+        lines += ["| round trip (fp32, 1 step) | compared | tensors moved | max of the update (tensor) | median | ok |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in trip.items():
+            lines.append(f"| {name} | {r.get('compared', '-')} | {r.get('moved', '-')}/{r.get('tensors', '-')} | "
+                         f"{r.get('max_rel_of_update', '-')} ({r.get('worst_tensor', '-')}) | "
+                         f"{r.get('median_rel_of_update', '-')} | "
+                         f"{'yes' if r.get('ok') else 'NO: ' + str(r.get('problems') or r.get('error'))} |")
         lines.append("")
     reh = results.get("rehearse")
     if reh:
@@ -588,7 +668,7 @@ def dry_run(*, iters: int, steps: int, te: bool = False) -> int:
         for precision in FP8_PRECISIONS:
             if precision not in names:
                 problems.append(f"megatron-bridge has no mixed-precision recipe {precision}")
-        for path in ("bench/te/te.py", "bench/te/probe.py"):
+        for path in ("bench/te/te.py", "bench/te/probe.py", "bench/te/workers.py"):
             if not (REPO / path).exists():
                 problems.append(f"{path} is missing")
     for step in plan_steps(iters=iters, steps=steps, te=te):
@@ -626,6 +706,32 @@ def dry_run(*, iters: int, steps: int, te: bool = False) -> int:
     return 1 if problems else 0
 
 
+def rehearse_te_workers(out: Path, *, only: set[str], work: Path | None = None,
+                        recipes: set[str] | None = None) -> int:
+    """``--te --rehearse``: the QK-clip and round-trip workers on CPU with the local spec; gpu_check.json/md in
+    ``out`` as a GPU run writes them. Exit 1 when a check fails."""
+    only = only & {"qk_clip", "round_trip"} or {"qk_clip", "round_trip"}
+    out.mkdir(parents=True, exist_ok=True)
+    work = work or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "te": False,
+                               "rehearsal": "cpu, local spec"}
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {text}", flush=True)
+
+    run_te_workers(results, only=only, work=work, say=say, device="cpu", recipes=recipes)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "gpu_check.md").write_text(markdown(results) + "\n")
+    failed = [f"{part}:{name}" for part in ("qk_clip", "round_trip") for name, r in results.get(part, {}).items()
+              if not r.get("ok")]
+    if failed:
+        print(f"gpu check rehearsal: not passed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu")
@@ -636,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="Qwen3-0.6B iterations (the first 3 are not timed)")
     p.add_argument("--only", default="env,proxies,qwen3_0p6b,rehearse")
     p.add_argument("--work-dir", help="runs' logs, losses and dataset caches (default: OUT/work)")
+    p.add_argument("--rehearse", action="store_true",
+                   help="with --te: the QK-clip and round-trip workers on CPU, local spec (--only qk_clip,round_trip; "
+                        "--recipe NAME keeps one recipe)")
     p.add_argument("--worker", choices=("env", "train"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--recipe", help=argparse.SUPPRESS)
@@ -654,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         return dry_run(iters=args.iters, steps=args.steps, te=args.te)
+    if args.rehearse:
+        return rehearse_te_workers(Path(args.out), only=set(args.only.split(",")),
+                                   work=Path(args.work_dir) if args.work_dir else None,
+                                   recipes={args.recipe} if args.recipe else None)
     import torch
 
     if not torch.cuda.is_available():

@@ -7,6 +7,8 @@
 #   bench/gpu_check.sh --te            # the Transformer Engine path (TE specs, fp8 rows, QK-clip, round trip);
 #                                      # TE from TE_SITE (default bench/te/landed/site: bench/te/te.py install)
 #   bench/gpu_check.sh --te --dry-run  # any machine: the --te plan, each config checked without importing TE
+#   bench/gpu_check.sh --te --rehearse # any machine, CPU: the QK-clip and round-trip workers (bench/te/workers.py)
+#                                      # on the local spec (add --recipe qwen3_proxy_muon for the smallest only)
 #   bench/gpu_check.sh --fetch-wheels  # a machine with network: bench/gpu_wheels.txt into .whl/ (for a GPU
 #                                      # machine that has PyTorch but neither the Megatron stack nor network)
 #
@@ -26,7 +28,7 @@ if [ "${1:-}" = "--te" ]; then
   TE=(--te)
   shift
   TE_SITE=${TE_SITE:-bench/te/landed/site}
-  if [ "${1:-}" != "--dry-run" ]; then
+  if [ "${1:-}" != "--dry-run" ] && [ "${1:-}" != "--rehearse" ]; then
     if [ ! -d "$TE_SITE/transformer_engine" ]; then
       echo "error: no Transformer Engine in $TE_SITE; bench/te/te.py receive/install first (docs/launch.md)" >&2
       exit 2
@@ -38,6 +40,8 @@ fi
 case "${1:-}" in
   --dry-run)
     exec "$PYTHON" bench/gpu_check.py --dry-run ${TE[@]+"${TE[@]}"} --out "$OUT" "${@:2}" ;;
+  --rehearse)  # CPU: the Python that runs the repository's tests (bridge_ext imports Megatron Bridge without TE)
+    exec "$PYTHON" bench/gpu_check.py --rehearse ${TE[@]+"${TE[@]}"} --out "$OUT" "${@:2}" ;;
   --fetch-wheels)
     mkdir -p .whl
     grep -v -e '^#' -e '^antlr4' -e '^nvidia-resiliency-ext' -e '^emerging-optimizers' bench/gpu_wheels.txt \

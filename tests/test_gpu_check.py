@@ -90,3 +90,73 @@ def test_te_carrier_splits_and_plans_within_the_call_limit(tmp_path, monkeypatch
     calls = carrier.plan(manifest)
     assert [c["carry"] for c in calls[:3]] == [[f"bench/te/pieces/part-0{i}"] for i in (1, 2, 3)]
     assert "install" in calls[2]["command"] and calls[-1]["carry"] == [".whl"]
+
+
+def _write_safetensors(directory: Path, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.once
+def test_round_trip_comparison_by_hand(tmp_path):
+    """bench/te/workers.py's comparison: per tensor ||A - B|| / ||B - imported||, against the 2 % tolerance."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench" / "te"))
+    from workers import compare_exports
+
+    from gpu_check import ROUND_TRIP_REL_TOL
+
+    gen = torch.Generator().manual_seed(0)
+    src = {"w": torch.randn(8, 4, generator=gen), "n": torch.ones(4)}
+    update = {"w": 0.01 * torch.randn(8, 4, generator=gen), "n": torch.full((4,), 1e-3)}
+    local = {k: src[k] + update[k] for k in src}
+    source, b = _write_safetensors(tmp_path / "src", src), _write_safetensors(tmp_path / "local", local)
+    near = _write_safetensors(tmp_path / "near", {k: local[k] + 0.5 * ROUND_TRIP_REL_TOL * update[k] for k in src})
+    far = _write_safetensors(tmp_path / "far", {"w": local["w"] + 2 * ROUND_TRIP_REL_TOL * update["w"],
+                                                "n": local["n"]})
+    same = compare_exports(b, b, source)
+    assert same["ok"] and same["max_rel_of_update"] == 0.0 and same["moved"] == 2
+    ok = compare_exports(near, b, source)
+    assert ok["ok"] and ok["max_rel_of_update"] == pytest.approx(0.5 * ROUND_TRIP_REL_TOL, rel=1e-2)  # float32 sums
+    bad = compare_exports(far, b, source)
+    assert not bad["ok"] and bad["worst_tensor"] == "w"
+    assert bad["max_rel_of_update"] == pytest.approx(2 * ROUND_TRIP_REL_TOL, rel=1e-2)
+    unmoved = compare_exports(near, source, source)  # B did not move at all: A moving is a problem
+    assert not unmoved["ok"] and unmoved["unmoved"] == ["n", "w"]
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_te_workers_rehearse_on_cpu_with_the_local_spec(tmp_path):
+    """``bench/gpu_check.sh --te --rehearse`` on the smallest proxy (Qwen3, GQA with QK-norm off): the QK-clip worker
+    trains 5 steps with three heads forced to logits far above tau and measures tau again after the last clip; the
+    round-trip worker imports a random HF directory, trains one step twice (local spec both times) and compares the
+    two exports (identical on CPU). Neither imports transformer_engine. ~30 s of CPU time (two processes)."""
+    import json
+
+    from gpu_check import QK_CLIP_TAU
+
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "gpu")}
+    run = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--te", "--rehearse", "--recipe",
+                          "qwen3_proxy_muon"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    results = json.loads((tmp_path / "gpu" / "gpu_check.json").read_text())
+    clip = results["qk_clip"]["qwen3_proxy_muon"]
+    assert clip["ok"] and clip["spec"] == "local" and clip["attention"] == "GQA" and not clip["qk_layernorm"]
+    assert clip["te_modules"] == 0 and not clip["transformer_engine_imported"]
+    steps = clip["telemetry_max_per_step_and_layer"]
+    assert len(steps) == 5 and max(steps[0]) > 10 * QK_CLIP_TAU  # the forced heads start far above tau
+    assert max(steps[-1]) > QK_CLIP_TAU  # and the last step still had something to clip
+    assert clip["after_clip_max"] == pytest.approx(QK_CLIP_TAU, rel=1e-5)  # lr 0 in the last step: tau exactly
+    assert clip["measured_vs_recomputed_rel"] <= 1e-6
+    trip = results["round_trip"]["qwen3_proxy_muon"]
+    assert trip["ok"] and trip["specs"] == ["local", "local"] and trip["moved"] == trip["tensors"] == 25
+    assert trip["max_rel_of_update"] == 0.0  # one process, fp32, the same batches: bit-identical
+    assert trip["losses"]["local0"] == trip["losses"]["local1"]
+    assert all(s["te_modules"] == 0 and not s["transformer_engine_imported"] for s in trip["steps"].values())
+    table = (tmp_path / "gpu" / "gpu_check.md").read_text()
+    assert "CPU rehearsal" in table and "| qwen3_proxy_muon (tau 5.0) | GQA | local |" in table
