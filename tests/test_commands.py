@@ -19,7 +19,7 @@ pytestmark = pytest.mark.once  # the CLI's wiring: the same on every stack
 ROOT = Path(__file__).resolve().parent.parent
 # Every `nemo llm` command, as docs/cli.md lists them.
 EXPECTED = ("recipes", "info", "pretrain", "import", "export", "prepare-data", "compare", "muon-plan", "plan",
-            "rehearse", "finetune")
+            "rehearse", "finetune", "evaluate", "generate")
 
 
 def _llm_subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

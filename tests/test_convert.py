@@ -623,6 +623,7 @@ def test_export_without_known_hf_config_asks_for_one(converted, tmp_path):
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7")  # as a finished save leaves it
     run_config = ckpt / "iter_0000007" / "run_config.yaml"
     run_config.write_text(run_config.read_text().replace(str(run["hf"].absolute()), "/gone/qwen3"))
+    shutil.rmtree(ckpt / "iter_0000007" / ".integrity")  # a checkpoint written without this package's record
     expect_user_error("pass --hf-config DIR", export_hf, ckpt, tmp_path / "out")
     assert_nothing_written(tmp_path / "out")
     summary = export_hf(ckpt, tmp_path / "out", hf_config=run["hf"], progress=False, console=None)

@@ -23,6 +23,7 @@ ITERS = 30
 # the last bits, and training amplifies that: measured 0 to 1.5e-6 up to iteration 6, 7e-5 at 7, 7e-4 at 30 (DP2).
 # The first iterations are held to the layout matrix's tolerance, the rest to a bound on that drift.
 EARLY, EARLY_TOLERANCE, DRIFT_TOLERANCE = 5, 2e-6, 5e-3
+TP_EARLY_TOLERANCE = 2e-5  # TP2 sums its matmuls in another order: 6.7e-6 from one process by iteration 5 (measured)
 SUBMIT = ["--executor", "slurm", "--account", "tests", "--partition", "cpu", "--container-image", "none",
           "--packager", "none"]
 pytestmark = [pytest.mark.slurm, pytest.mark.once, pytest.mark.slow]
@@ -75,12 +76,13 @@ def job_logs(job_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(job_dir.glob("experiments/*/*/*/*.out")))
 
 
-def assert_like_one_process(run: Path, reference: Path, case: str) -> None:
+def assert_like_one_process(run: Path, reference: Path, case: str, *,
+                            early_tolerance: float = EARLY_TOLERANCE) -> None:
     """The losses of a run in another layout against the one-process run's (see EARLY)."""
     got, want = losses(run), losses(reference)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1)), (case, sorted(got))
     early = max(abs(got[i] - want[i]) for i in range(1, EARLY + 1))
-    assert early <= EARLY_TOLERANCE, (case, early)
+    assert early <= early_tolerance, (case, early)
     assert max(abs(got[i] - want[i]) for i in want) <= DRIFT_TOLERANCE, case
     assert want[ITERS] < want[1] - 1, "the reference learns"
 
@@ -122,7 +124,8 @@ def test_submitted_runs_and_stopped_requeued_runs_equal_the_one_process_run(on_c
     for (job_id, run, job_dir), case in ((dp2, "cpu-dp2 on 2 nodes"), (tp2, "cpu-tp2")):
         job = wait_for(job_id, finished, timeout=300, what="finished")
         assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (case, job, job_logs(job_dir)[-3000:])
-        assert_like_one_process(run, reference, case)
+        assert_like_one_process(run, reference, case,
+                                early_tolerance=TP_EARLY_TOLERANCE if case == "cpu-tp2" else EARLY_TOLERANCE)
     assert losses(tp2[1])[1] == losses(reference)[1], "cpu-tp2 starts from the one-process weights"
     assert slurm_job(dp2[0])["NodeList"] == "n[1-2]"  # one rank on each node: a two-node rendezvous
 

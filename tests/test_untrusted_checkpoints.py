@@ -231,13 +231,13 @@ def damaged_copy(trained: Path, tmp_path: Path, damage: str) -> tuple[Path, str]
         return root, f"{iter_dir / weight[2]}: {weight[0]} at {list(weight[1])}: bytes {weight[3]}-"
     if damage == "empty data file":
         (iter_dir / weight[2]).write_bytes(b"")
-        return root, f"{iter_dir / weight[2]}: 0 bytes, but .metadata places "
+        return root, f"{iter_dir / weight[2]} is 0 bytes, shorter than .metadata says ("
     if damage == "truncated data file":
         os.truncate(iter_dir / weight[2], weight[3] + weight[4] // 2)
-        return root, f"{iter_dir / weight[2]}: {weight[3] + weight[4] // 2} bytes, but .metadata places "
+        return root, f"{iter_dir / weight[2]} is {weight[3] + weight[4] // 2} bytes, shorter than .metadata says ("
     if damage == "missing data file":
         (iter_dir / weight[2]).unlink()
-        return root, f"{iter_dir / weight[2]}: missing (.metadata places "
+        return root, f"{iter_dir / weight[2]} is missing (it holds "
     if damage == "another save's .metadata":
         shutil.copy(root / "iter_0000001" / ".metadata", iter_dir / ".metadata")
         return root, f"{iter_dir / '.metadata'}: bytes 0-"

@@ -158,8 +158,9 @@ def _in_scope(key: str | None, scope: Scope) -> bool:
     return scope == "all" or key is None or not key.startswith("optimizer.")
 
 
-def _damaged(path: Path, what: str) -> UserError:
-    return UserError(f"{path}: {what}; the checkpoint is damaged (use another iteration or a good copy)")
+def _damaged(path: Path, what: str, *, colon: bool = True) -> UserError:
+    return UserError(f"{path}{': ' if colon else ' '}{what}; the checkpoint is damaged (use another iteration or a "
+                     "good copy)")
 
 
 def _check_layout(iter_dir: Path, scope: Scope) -> None:
@@ -179,11 +180,11 @@ def _check_layout(iter_dir: Path, scope: Scope) -> None:
         size, path = sizes[info.relative_path], iter_dir / info.relative_path
         where = index.fqn if index.offset is None else f"{index.fqn} at {list(index.offset)}"
         if size is None:
-            raise _damaged(path, f"missing (.metadata places {where} in it)")
+            raise _damaged(path, f"is missing (it holds {where})", colon=False)
         if size < info.offset + info.length:
-            raise _damaged(path, f"{size} bytes, but .metadata places {where} at bytes {info.offset}-"
-                                 f"{info.offset + info.length} (the file is truncated, or .metadata is another "
-                                 "save's)")
+            raise _damaged(path, f"is {size} bytes, shorter than .metadata says ({where} ends at byte "
+                                 f"{info.offset + info.length}: the file is truncated, or .metadata is another "
+                                 "save's)", colon=False)
 
 
 def _read_records(iter_dir: Path) -> list[dict[str, Any]]:
