@@ -182,19 +182,10 @@ def _uncommit(save: _Save) -> None:
 def _write_record(save: _Save) -> None:
     """Every rank: the integrity record of the files it wrote, between two barriers (``.metadata``, which names
     the items, is complete before; every rank's record is there before rank 0 commits)."""
-    if not _integrity["record"]:
-        return
-    import torch
+    if _integrity["record"]:
+        from bridge_ext.checkpoints.integrity import record_save
 
-    from bridge_ext.checkpoints.integrity import write_record
-
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.barrier()
-    write_record(save.iter_dir, rank=_rank(), world_size=world)
-    if world > 1:
-        dist.barrier()
+        record_save(save.iter_dir)
 
 
 def _commit(save: _Save) -> None:

@@ -1,7 +1,8 @@
 """A saved iteration is what was saved: sizes and CRC-32s recorded at save time, checked before export and resume.
 
-**The record.** After a save, every rank writes ``iter_N/.integrity/rank_<rank>.json`` (:func:`write_record`,
-called by ``bridge_ext.kill_safe`` before the trackers move, so a committed iteration has every rank's record):
+**The record.** After a save, every rank writes ``iter_N/.integrity/rank_<rank>.json`` (:func:`record_save`,
+called by ``bridge_ext.kill_safe`` before the trackers move, so a committed iteration has every rank's record, and
+by ``nemo llm import``):
 for each file the rank wrote -- its ``__<rank>_<n>.distcp`` data files; rank 0 also ``.metadata``,
 ``common.pt``, ``metadata.json``, ``train_state.pt``, ``run_config.yaml`` and the tokenizer -- the size, and the
 CRC-32 of each stored item (a tensor chunk or an object, as ``.metadata`` places it in the file; whole files
@@ -37,7 +38,7 @@ from bridge_ext.checkpoints.pickles import load_metadata
 from bridge_ext.errors import UserError
 from bridge_ext.runtime import write_atomic
 
-__all__ = ["FLAG", "RECORD_DIR", "Scope", "Verified", "rewrite_record", "verify", "write_record"]
+__all__ = ["FLAG", "RECORD_DIR", "Scope", "Verified", "record_save", "verify", "write_record"]
 
 RECORD_DIR = ".integrity"
 _FORMAT = 1
@@ -129,12 +130,20 @@ def write_record(iter_dir: str | Path, *, rank: int, world_size: int) -> int:
     return sum(os.path.getsize(iter_dir / name) for name in files)
 
 
-def rewrite_record(iter_dir: str | Path, *, rank: int = 0) -> None:
-    """Record ``rank``'s files again after its process changed them once the save was over (``nemo llm import``
-    drops a file and adds the tokenizer); nothing when the save wrote no record."""
-    path = Path(iter_dir) / RECORD_DIR / _record_name(rank)
-    if path.is_file():
-        write_record(iter_dir, rank=rank, world_size=int(json.loads(path.read_text())["world_size"]))
+def record_save(iter_dir: str | Path) -> None:
+    """Every rank of a save, once it returned: this rank's record, between two barriers (``.metadata``, which
+    places the items, is complete before; every rank's record is there after). Training's saves
+    (``bridge_ext.kill_safe``) and ``nemo llm import``'s (after it completed the directory) call it."""
+    import torch
+
+    dist = torch.distributed
+    group = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if group else (1, 0)
+    if world > 1:
+        dist.barrier()
+    write_record(iter_dir, rank=rank, world_size=world)
+    if world > 1:
+        dist.barrier()
 
 
 @dataclass(frozen=True)

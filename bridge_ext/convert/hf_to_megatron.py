@@ -155,6 +155,10 @@ def import_hf(
         say_on_rank0(console, "writing torch_dist checkpoint")
         save_megatron_model(model, str(staging), hf_tokenizer_path=tokenizer, low_memory_save=True)
         del model
+        from bridge_ext.checkpoints import iteration_dir
+        from bridge_ext.checkpoints.integrity import record_save
+
+        record_save(iteration_dir(staging, 0))  # save_megatron_model writes iteration 0
         if is_rank0():
             write_hf_source(hf, staging, source)
         if verify:

@@ -72,9 +72,9 @@ def save_skeleton_checkpoint(model: list[Any], path: Path, strategy: Any, *, tok
     if tokenizer_config is not None:
         save_tokenizer_assets(build_tokenizer(tokenizer_config), tokenizer_config,
                               get_checkpoint_name(str(path), 0, release=False))  # fmt: skip
-    from bridge_ext.checkpoints.integrity import rewrite_record
+    from bridge_ext.checkpoints.integrity import record_save
 
-    rewrite_record(iter_dir)  # the integrity record of what is there now (one process writes this checkpoint)
+    record_save(iter_dir)  # the integrity record of what is there now, tokenizer included
 
 
 class _Converter:
