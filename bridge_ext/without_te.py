@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TE_FREE_PATCHES", "TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec"]
+__all__ = ["TE_FREE_PATCHES", "TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec", "te_checkpoint_keys"]
 
 # Provider settings that need Transformer Engine or apex kernels, and the value megatron-core's local modules run
 # with: the part that CPU mode (bridge_ext.cpu.config) and the CPU rehearsal (bridge_ext.rehearse.build) share with
@@ -40,10 +40,41 @@ TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
 
 
 def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """megatron-core's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE)."""
+    """megatron-core's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE), saving its
+    checkpoints under the keys the Transformer Engine spec uses (:func:`te_checkpoint_keys`)."""
+    import dataclasses
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    layers = [dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, sharded_state_dict_keys_map=te_checkpoint_keys(spec.submodules)))
+        for spec in block.layer_specs]  # fmt: skip
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def te_checkpoint_keys(layer: Any) -> dict[str, str]:
+    """A local-spec layer's checkpoint key prefixes -> the Transformer Engine spec's, where TE fuses a norm into the
+    linear layer after it (``megatron/core/models/gpt/gpt_layer_specs.py``,
+    ``get_gpt_layer_with_transformer_engine_spec``):
+    GQA's input norm into ``linear_qkv``; MLA's query and key-value latent norms into ``linear_q_up_proj`` and
+    ``linear_kv_up_proj`` (its input norm stays a ``TENorm``); a dense MLP's norm into ``linear_fc1`` (an MoE
+    layer keeps ``pre_mlp_layernorm``). megatron-core's local spec maps GQA's two norms always, MoE layers too, and
+    MLA's none: a checkpoint imported or trained on CPU (local spec) did not load into the TE spec a GPU run builds."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def builds(spec: Any, cls: type) -> bool:  # a ModuleSpec (0.16) or a functools.partial of the class (0.19)
+        module = getattr(spec, "module", None) or getattr(spec, "func", None) or spec
+        return isinstance(module, type) and issubclass(module, cls)
+
+    keys = ({"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+             "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+            if builds(layer.self_attention, MLASelfAttention)
+            else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})
+    if not builds(layer.mlp, MoELayer):
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
 
 
 def configure_without_te(cfg: Any) -> str:

@@ -308,6 +308,34 @@ def check_integrity_records(phases: list[Phase]) -> None:
                                                        and ".integrity" not in f.parts), p.save.name
 
 
+def check_te_checkpoint_keys(references: dict[str, Phase]) -> None:
+    """The local spec saves under the Transformer Engine spec's keys, so a checkpoint made on CPU loads into a
+    container's GPU run (issue 41; megatron-core's get_gpt_layer_with_transformer_engine_spec fuses GQA's input
+    norm into linear_qkv, MLA's latent norms into linear_q_up_proj / linear_kv_up_proj, a dense MLP's norm into
+    linear_fc1, and keeps an MoE layer's pre_mlp_layernorm)."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for recipe, phase in references.items():
+        keys = [k for k in FileSystemReader(str(phase.save / f"iter_{SAVED_AT:07d}")).read_metadata()
+                .state_dict_metadata if not k.startswith("optimizer")]
+        layers = {m.group(1) or "" for k in keys if (m := re.match(r"decoder\.layers\.(\d+\.)?", k))}
+        assert layers, (recipe, keys)
+        for layer in layers:
+            mine = {k[len(f"decoder.layers.{layer}"):] for k in keys if k.startswith(f"decoder.layers.{layer}")}
+            moe = any(".experts." in k or k.startswith("mlp.router.") for k in mine)
+            mla = any(k.startswith("self_attention.linear_kv_down_proj.") for k in mine)
+            assert not any(k.startswith(("self_attention.kv_layernorm.", "mlp.linear_fc1.layer_norm_weight") if moe
+                                        else ("self_attention.kv_layernorm.", "pre_mlp_layernorm.")) for k in mine), \
+                (recipe, layer, sorted(mine))
+            assert ("pre_mlp_layernorm.weight" in mine) == moe, (recipe, layer)
+            if mla:
+                assert "self_attention.linear_kv_up_proj.layer_norm_weight" in mine and "input_layernorm.weight" in mine
+            else:
+                assert "self_attention.linear_qkv.layer_norm_weight" in mine and "input_layernorm.weight" not in mine
+
+
 def check_exports(here: dict, distributed: dict) -> None:
     """Streaming export = ``--no-stream`` export = the 2-process ``--tp/--pp/--ep`` export, bit for bit."""
     for (family, layout), dirs in here.items():
@@ -439,6 +467,7 @@ def test_every_family_saved_in_every_layout_exports_and_resumes_in_every_other(c
     check_stored_chunks(saved.save, saved.iters, tp=2)
     check_integrity_records(done.resumes)
     check_from_scratch(done.scratch, done.references)
+    check_te_checkpoint_keys(done.references)
     check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
     check_losses(done.resumes, done.references)

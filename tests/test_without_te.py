@@ -36,3 +36,23 @@ def test_local_spec_bf16_kept(name):
     # and this stack's MLA needs the SDPA core attention
     names = {p.name for p in patches.REGISTRY if p.scope == "cpu"}
     assert set(TE_FREE_PATCHES) <= names and "mla-core-attention" in patches.applied_here(["cpu"])
+
+
+@pytest.mark.stack
+def test_the_te_spec_still_fuses_the_norms_the_local_spec_saves_under_its_names():
+    """bridge_ext.without_te.te_checkpoint_keys follows megatron-core's Transformer Engine layer spec: read from the
+    installed source (TE itself is not needed to read it). The saved keys are checked in the layout matrix."""
+    import inspect
+    import re
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    te_spec = "".join(inspect.getsource(getattr(gpt_layer_specs, name)) for name in (
+        "get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_with_transformer_engine_submodules")
+        if hasattr(gpt_layer_specs, name))
+    mla = te_spec[te_spec.index("if multi_latent_attention:"):]
+    assert re.search(r"linear_q_up_proj = \(\s*backend\.column_parallel_layer_norm_linear\(\)\s*if qk_layernorm", mla)
+    assert re.search(r"linear_kv_up_proj = \(\s*backend\.column_parallel_layer_norm_linear\(\)\s*if qk_layernorm", mla)
+    assert "q_layernorm=IdentityOp" in mla and "kv_layernorm=IdentityOp" in mla
+    assert re.search(r"pre_mlp_layernorm=backend\.layer_norm\([^)]*\) if num_experts else IdentityOp", te_spec)
+    assert "linear_qkv=backend.column_parallel_layer_norm_linear()" in te_spec
