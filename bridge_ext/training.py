@@ -109,7 +109,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
     from bridge_ext.muon import MuonTelemetry
     from bridge_ext.muon.presets import install_preset
 
-    install_preset(recipe.preset)  # Newton-Schulz coefficients and the MuonClip fix (its config values: build.py)
+    install_preset(recipe.preset, cfg)  # Newton-Schulz coefficients and the MuonClip fix (its config values: build.py)
     callbacks: list[Any] = []
     if telemetry and recipe.preset.kind == "muon":
         if not use_cpu:

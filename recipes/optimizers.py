@@ -33,10 +33,6 @@ class OptimizerPreset:
     optimizer: Mapping[str, Any]  # megatron.bridge.training.config.OptimizerConfig fields
     scheduler: Mapping[str, Any]  # megatron.bridge.training.config.SchedulerConfig fields
     ddp: Mapping[str, Any] = field(default_factory=dict)  # DDP settings the optimizer forces
-    # What megatron-core 0.16 has no OptimizerConfig/SchedulerConfig field for (bridge_ext.muon applies it):
-    # emerging-optimizers' Newton-Schulz coefficient set; megatron-core never passes one, so
-    # TensorParallelMuon uses "quintic" unless bridge_ext.muon installs another.
-    ns_coefficients: Literal["simple", "quintic"] = "quintic"
     # TransformerConfig fields the optimizer relies on (QK-clip lives there, not in OptimizerConfig).
     model: Mapping[str, Any] = field(default_factory=dict)
     # Scheduler lengths as fractions of train.train_iters, resolved after overrides (bridge_ext.muon).
@@ -52,6 +48,13 @@ class OptimizerPreset:
     @property
     def muon_fields(self) -> dict[str, Any]:
         return {k: v for k, v in self.optimizer.items() if k.startswith("muon_")}
+
+    @property
+    def ns_coefficients(self) -> Literal["simple", "quintic"] | None:
+        """emerging-optimizers' Newton-Schulz coefficient set: the preset's ``muon_coefficient_type`` (one source;
+        megatron-core 0.16 has no such OptimizerConfig field, so bridge_ext.muon installs it; 0.17+ pass it),
+        megatron-core's "quintic" when unset; None for AdamW."""
+        return self.optimizer.get("muon_coefficient_type", "quintic") if self.kind == "muon" else None
 
 
 def derive(
@@ -152,7 +155,7 @@ PRESETS: dict[str, OptimizerPreset] = {preset.name: preset for preset in (NVIDIA
 
 # ---------------------------------------------------------------------------------------------------------
 # Paper-faithful Muon presets. Settings megatron-core 0.16's OptimizerConfig/SchedulerConfig have no field
-# for (ns_coefficients, model, schedule_fractions) are applied by ``bridge_ext.muon.apply_preset``.
+# for (model, schedule_fractions; ns_coefficients on megatron-core 0.16) are applied by ``bridge_ext.muon.apply_preset``.
 # ---------------------------------------------------------------------------------------------------------
 
 __all__ += ["MOONLIGHT", "KIMI_K2", "KIMI_K2_SCHEDULE", "adamw_twin"]
@@ -177,7 +180,7 @@ MOONLIGHT = OptimizerPreset(
         "muon_extra_scale_factor": 0.2,  # x 0.2: update RMS ~ AdamW's
         "muon_num_ns_steps": 5,
         "muon_fp32_matmul_prec": "medium",  # NS in bf16, as Keller Jordan's reference
-        "muon_coefficient_type": "simple",  # Keller Jordan's (3.4445, -4.7750, 2.0315); = ns_coefficients
+        "muon_coefficient_type": "simple",  # Keller Jordan's (3.4445, -4.7750, 2.0315)
         "muon_tp_mode": "duplicated",  # the whole matrix at every TP size, as nvidia_perf
         "muon_split_qkv": True,  # Q, K, V orthogonalized separately (per query group)
         "muon_scalar_optimizer": "adam",  # AdamW for everything that is not a hidden matrix
@@ -193,7 +196,6 @@ MOONLIGHT = OptimizerPreset(
         "weight_decay_incr_style": "constant",
     },
     ddp={"use_distributed_optimizer": False, "overlap_param_gather": False},
-    ns_coefficients="simple",  # emerging-optimizers' "simple" = [(3.4445, -4.7750, 2.0315)]
     # Gate and up projections apart, as Moonlight's reference on the HF weights (A/B: docs/muon.md)
     split_gate_up=True,
 )
@@ -267,7 +269,6 @@ def adamw_twin(muon: OptimizerPreset) -> OptimizerPreset:
             optimizer={"optimizer": "adam", "use_distributed_optimizer": True},
             ddp=ADAMW.ddp,
         ),
-        ns_coefficients="quintic",
         split_gate_up=False,
         model={},
     )

@@ -34,6 +34,34 @@ def test_moonlight_fields_are_pinned():
     assert dict(p.model) == {}
 
 
+def test_the_coefficients_that_run_are_the_configs_and_the_dry_run_says_so(nemo):
+    """One source (issue 39): the preset's muon_coefficient_type. Where the installed OptimizerConfig has the field
+    (megatron-core 0.17+) an override of it is what runs and what the dry run prints; on 0.16 the preset's set is
+    installed (its field does not exist there)."""
+    import dataclasses as dc
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from bridge_ext.api import recipe_config
+    from bridge_ext.muon.presets import install_preset, installed_ns_coefficients
+
+    has_field = "muon_coefficient_type" in {f.name for f in dc.fields(OptimizerConfig)}
+    overrides = ["optimizer.muon_coefficient_type=quintic"] if has_field else []
+    expected = "quintic" if has_field else "simple"
+    cfg = recipe_config("qwen3_proxy_muon", overrides=overrides)
+    try:
+        install_preset(get_recipe("qwen3_proxy_muon").preset, cfg)
+        assert installed_ns_coefficients() == expected
+    finally:
+        from bridge_ext.muon import install_ns_coefficients
+
+        install_ns_coefficients("quintic")  # process-wide: megatron-core's default for the other tests
+    done = nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--dryrun", *overrides])
+    assert done.code == 0, done.stderr[-2000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("muon ")]
+    assert f"coefficients={expected}," in line and "coefficient_type=" not in line, line
+
+
 def test_kimi_k2_fields_are_pinned():
     p = PRESETS["kimi_k2"]
     m = PRESETS["moonlight"]

@@ -161,7 +161,8 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
                 f" VP{m.virtual_pipeline_model_parallel_size or 1} EP{m.expert_model_parallel_size}"
                 f" ETP{m.expert_tensor_parallel_size or 1} CP{m.context_parallel_size}"
                 f" DP{cfg.data_parallel_size} on {gpus} GPUs")
-    muon = ", ".join(f"{k.removeprefix('muon_')}={getattr(o, k)}" for k in vars(o) if k.startswith("muon_"))
+    muon = ", ".join(f"{k.removeprefix('muon_')}={getattr(o, k)}" for k in vars(o)
+                     if k.startswith("muon_") and k != "muon_coefficient_type")  # printed below: what runs
     lines = [
         f"recipe      {recipe.name} (layout {resolved.layout.cluster}, optimizer preset {recipe.preset.name})",
         *task_lines,
@@ -174,7 +175,9 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
         f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
     ]
     if o.optimizer in ("muon", "dist_muon"):
-        lines.append(f"muon        {muon}, coefficients={recipe.preset.ns_coefficients}, "
+        from bridge_ext.muon.presets import ns_coefficients_of
+
+        lines.append(f"muon        {muon}, coefficients={ns_coefficients_of(recipe.preset, cfg)}, "
                      f"split_gate_up={recipe.preset.split_gate_up}")
     if getattr(m, "qk_clip", False):
         lines.append(f"qk-clip     threshold {m.qk_clip_threshold}, alpha {m.qk_clip_alpha}")

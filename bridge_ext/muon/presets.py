@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
 
 __all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "install_preset",
-           "installed_ns_coefficients", "resolve_schedule", "schedule_values"]
+           "installed_ns_coefficients", "ns_coefficients_of", "resolve_schedule", "schedule_values"]
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
@@ -71,16 +71,24 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
                             "megatron-core's TransformerConfig does not have; pick another preset")
         setattr(cfg.model, key, value)
     if runtime:
-        install_preset(preset)
+        install_preset(preset, cfg)
 
 
-def install_preset(preset: OptimizerPreset) -> None:
-    """A Muon preset's process-wide parts, at run time: its Newton-Schulz coefficients, the gate/up split and
-    the MuonClip fix (:func:`install_muon_clip`). Plain presets (``nvidia_perf``, ``adamw``) install nothing:
-    megatron-core's "quintic" stays."""
+def ns_coefficients_of(preset: OptimizerPreset, cfg: Any = None) -> str | None:
+    """The Newton-Schulz coefficient set a run of ``cfg`` uses: its ``optimizer.muon_coefficient_type`` where the
+    installed OptimizerConfig has the field (an override counts), else the preset's (megatron-core 0.16)."""
+    if preset.kind != "muon":
+        return None
+    configured = getattr(getattr(cfg, "optimizer", None), "muon_coefficient_type", None)
+    return configured or preset.ns_coefficients
+
+
+def install_preset(preset: OptimizerPreset, cfg: Any = None) -> None:
+    """A Muon preset's process-wide parts, at run time: the Newton-Schulz coefficients ``cfg`` runs with
+    (:func:`ns_coefficients_of`), the gate/up split and the MuonClip fix (:func:`install_muon_clip`). Plain presets
+    (``nvidia_perf``, ``adamw``) install nothing: megatron-core's "quintic" stays."""
     if preset.kind == "muon":
-        # the preset's field (megatron-core 0.16 has none: this is how its set gets there)
-        install_ns_coefficients(preset.optimizer.get("muon_coefficient_type", preset.ns_coefficients))
+        install_ns_coefficients(ns_coefficients_of(preset, cfg))  # 0.16 has no field: how its set gets there
         install_gate_up_split(getattr(preset, "split_gate_up", False))
         install_muon_clip()
 

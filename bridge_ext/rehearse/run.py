@@ -221,8 +221,8 @@ def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = Non
 
         if cpu_mode_active():
             raise UserError("--device cuda in a process where CPU mode is on; run it in a process of its own")
-    install_preset(recipe.preset)  # Newton-Schulz coefficients, the gate/up split: what the step runs
     cfg, notes = rehearsal_config(recipe, layout=chosen.cluster, device=device)
+    install_preset(recipe.preset, cfg)  # Newton-Schulz coefficients, the gate/up split: what the step runs
     with patches.temporarily("rehearse"):
         return tuple(_one_rank(recipe, chosen, cfg, rank, device=device, step=step, notes=notes,
                                activations=activations) for rank in ranks)
