@@ -13,6 +13,13 @@ process, CPU mode without a GPU, as ``nemo llm pretrain`` does for proxies), the
 the run's Muon is not built for nothing), no saving, no TensorBoard/W&B, ``eval_iters`` when ``--tokens`` asks
 for another amount, and the data when ``--data`` names other data.
 
+``--data`` (:func:`_use_data`): the run's data, a prepare-data prefix or blend YAML, a JSONL/text file tokenized
+on the fly by prepare-data's own code into a cached indexed dataset, or Megatron's mock dataset. A checkpoint
+without a run (``nemo llm import``) is evaluated in Megatron Bridge's pre-training template around its model.
+
+``--choices`` (:func:`run_choices`): multiple-choice accuracy as lm-evaluation-harness scores it, through the
+checkpoint's own forward (:mod:`bridge_ext.inference.model`), not Megatron Bridge's evaluation loop.
+
 Before anything loads: :func:`bridge_ext.checkpoints.find_iteration` (pickles vetted) and
 :func:`bridge_ext.checkpoints.integrity.verify` with ``scope="model"``, for every iteration.
 """
@@ -29,7 +36,8 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["Evaluated", "evaluate_checkpoint", "run_evaluate", "select_iterations", "write_csv", "write_plot"]
+__all__ = ["ChoiceRecord", "Evaluated", "Scored", "encode_pair", "evaluate_checkpoint", "read_choices",
+           "run_choices", "run_evaluate", "score_choices", "select_iterations", "write_csv", "write_plot"]
 
 DEFAULT_EVAL_ITERS = 16  # when the run validated on nothing (the proxies' default eval_iters is 0)
 
@@ -65,38 +73,197 @@ def _section(cfg: Any) -> Any:
     return getattr(cfg, "validation", None) or cfg.train
 
 
-def _use_data(cfg: Any, data: str | None) -> str:
+_FILE_SUFFIXES = (".jsonl", ".json", ".ndjson", ".txt", ".md", ".text", ".gz", ".zst")
+
+
+def _as_real_data(cfg: Any) -> Any:
+    """``cfg.dataset`` as a GPTDatasetConfig that takes a blend (a MockGPTDatasetConfig refuses one)."""
+    dataset = cfg.dataset
+    if type(dataset).__name__ != "MockGPTDatasetConfig":
+        return dataset
+    import dataclasses
+
+    from megatron.bridge.training.config import DataloaderConfig, GPTDatasetConfig
+
+    accepted = {f.name for f in dataclasses.fields(GPTDatasetConfig) if f.init}
+    accepted |= set(DataloaderConfig.__dataclass_fields__) | {"seq_length", "skip_getting_attention_mask_from_dataset"}
+    fields = {k: v for k, v in vars(dataset).items() if k not in ("blend", "blend_per_split", "mock")}
+    fields["seq_length"] = fields.pop("sequence_length", cfg.model.seq_length)
+    cfg.dataset = GPTDatasetConfig(**{k: v for k, v in fields.items() if k in accepted})
+    return cfg.dataset
+
+
+def _data_tokenizer(cfg: Any, ckpt: Path, iter_dir: Path, run_config: dict[str, Any]) -> Any:
+    """The model's own tokenizer for text given on the fly: the run's tokenizer directory when it trained with
+    one, else the checkpoint's (:func:`bridge_ext.inference.model.checkpoint_tokenizer`)."""
+    from bridge_ext.inference.model import check_fits, checkpoint_tokenizer
+    from bridge_ext.tokenizers import load_tokenizer
+
+    tok_cfg = cfg.tokenizer
+    named = getattr(tok_cfg, "tokenizer_model", None)
+    if getattr(tok_cfg, "tokenizer_type", None) == "HuggingFaceTokenizer" and named and Path(str(named)).is_dir():
+        tok = load_tokenizer(Path(str(named)))
+    else:
+        tok = checkpoint_tokenizer(ckpt, iter_dir, run_config)
+    check_fits(tok, int(cfg.model.vocab_size or tok.vocab_size), f"the model in {iter_dir}")
+    return tok
+
+
+def _prepare_file(path: Path, tok: Any) -> str:
+    """A JSONL (``{"text": ...}`` per line) or text file tokenized with the model's tokenizer by prepare-data's
+    own code (:func:`bridge_ext.corpus.prepare_corpus`, end-of-document appended) into a Megatron indexed
+    dataset under the cache (``evaluate/<hash of the path>/data``); reused while the file and tokenizer are the
+    same (prepare_corpus keys the dataset by their bytes), rebuilt when either changes."""
+    import hashlib
+
+    from bridge_ext.cache import cache_root
+    from bridge_ext.corpus import prepare_corpus
+
+    if not path.is_file():
+        raise UserError(f"--data {path} does not exist")
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    out = cache_root() / "evaluate" / where / "data"
+    prepared = prepare_corpus([[str(path)]], tokenizer=tok.directory, out=out, append_eod=True, overwrite=True,
+                              quiet=True)
+    record = prepared.records[0] or {}
+    if not record.get("tokens"):
+        raise UserError(f"--data {path} has no text to evaluate")
+    return prepared.prefixes[0]
+
+
+def _read_blend_yaml(path: Path) -> tuple[list, str | None, str | None]:
+    """A prepare-data blend YAML: (blend, split, tokenizer directory)."""
+    import yaml
+
+    try:
+        body = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--data {path} is not readable YAML ({type(exc).__name__})") from None
+    dataset = body.get("dataset") if isinstance(body, dict) else None
+    blend = dataset.get("blend") if isinstance(dataset, dict) else None
+    if not (isinstance(blend, list) and blend and isinstance(blend[0], list) and blend[0]):
+        raise UserError(f"--data {path} has no dataset.blend (a YAML written by `nemo llm prepare-data`)")
+    tokenizer = (body.get("tokenizer") or {}).get("tokenizer_model")
+    return [[str(p) for p in blend[0]], blend[1] if len(blend) > 1 else None], dataset.get("split"), tokenizer
+
+
+def _use_data(cfg: Any, data: str | None, *, split: str | None, ckpt: Path, iter_dir: Path,
+              run_config: dict[str, Any]) -> str:
+    """Point ``cfg.dataset`` at the held-out data; returns its one-line description."""
     blend = getattr(cfg.dataset, "blend", None)
     if data is None:
         if getattr(cfg.dataset, "mock", False) or blend is None:
+            if split is not None:
+                cfg.dataset.split = split
             return "mock data (as the run)"
         prefixes = blend[0] if blend else []
         missing = [p for p in prefixes if not Path(f"{p}.idx").is_file()]
         if missing:
             raise UserError(f"the run's data {missing[0]} is gone (no .idx); pass --data PATH or --data mock")
+        if split is not None:
+            cfg.dataset.split = split
         return f"the run's data, validation split {cfg.dataset.split} ({', '.join(map(str, prefixes))})"
     if data == "mock":
-        raise UserError("--data mock: not supported yet; the run's own data or a prepare-data prefix")
+        # Megatron's mock dataset, as `--data mock` trains on it: no blend (megatron-core then sets mock=True and
+        # builds MockGPTDataset: documents 1, 2, ..., n-1 followed by the tokenizer's end of document).
+        cfg.dataset.blend = None
+        cfg.dataset.blend_per_split = None
+        if split is not None:
+            cfg.dataset.split = split
+        return f"mock data (Megatron's MockGPTDataset, seed {cfg.dataset.random_seed})"
     path = Path(data)
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    if not Path(f"{prefix}.idx").is_file() or not Path(f"{prefix}.bin").is_file():
-        if path.suffix in (".jsonl", ".txt", ".json", ".yaml", ".yml"):
-            raise UserError(f"--data {path}: only Megatron indexed datasets (prepare-data's PREFIX.bin/.idx) are "
-                            "evaluated so far; run `nemo llm prepare-data` on it with the model's tokenizer first")
-        raise UserError(f"--data {data}: no {prefix}.bin/.idx (a prefix from `nemo llm prepare-data`)")
-    cfg.dataset.blend = [[str(prefix)], None]
-    cfg.dataset.blend_per_split = None
-    return f"{prefix}, validation split {cfg.dataset.split}"
+    tokenizer_dir = None
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise UserError(f"--data {path} does not exist")
+        new_blend, yaml_split, tokenizer_dir = _read_blend_yaml(path)
+        split = split or yaml_split
+        what = f"{path} (blend of {len(new_blend[0])})"
+    elif path.suffix in (".bin", ".idx") or Path(f"{path}.idx").is_file():
+        prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+        if not Path(f"{prefix}.idx").is_file() or not Path(f"{prefix}.bin").is_file():
+            raise UserError(f"--data {data}: no {prefix}.bin/.idx (a prefix from `nemo llm prepare-data`)")
+        new_blend, what = [[str(prefix)], None], str(prefix)
+    elif path.suffix in _FILE_SUFFIXES or path.is_file():
+        if path.suffix == ".parquet":
+            raise UserError(f"--data {path}: a Parquet file; run `nemo llm prepare-data` on it first")
+        tok = _data_tokenizer(cfg, ckpt, iter_dir, run_config)
+        new_blend = [[_prepare_file(path, tok)], None]
+        tokenizer_dir = str(tok.directory)
+        split = split or "0,1,0"  # the whole file is held-out text
+        what = f"{path}, tokenized with {tok.directory} ({new_blend[0][0]})"
+    else:
+        raise UserError(f"--data {data}: no {path}.bin/.idx (a prefix from `nemo llm prepare-data`), and not a "
+                        ".jsonl/.txt file or a blend .yaml")
+    dataset = _as_real_data(cfg)
+    dataset.blend = new_blend
+    dataset.blend_per_split = None
+    if split is not None:
+        dataset.split = split
+    elif not getattr(dataset, "split", None):
+        from bridge_ext.corpus import DEFAULT_SPLIT
+
+        dataset.split = DEFAULT_SPLIT
+    if tokenizer_dir is not None or getattr(cfg.tokenizer, "tokenizer_type", None) != "HuggingFaceTokenizer":
+        if tokenizer_dir is None:
+            tokenizer_dir = str(_data_tokenizer(cfg, ckpt, iter_dir, run_config).directory)
+        cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.tokenizer.tokenizer_model = tokenizer_dir
+        cfg.tokenizer.vocab_size = None
+    from bridge_ext.corpus import check_real_data
+
+    check_real_data(cfg)  # the tokenizer fits the model; every prefix exists and came from that tokenizer
+    weights = [float(w) for w in str(dataset.split).replace("/", ",").split(",")]
+    which = "all of it" if len(weights) == 3 and weights[0] == weights[2] == 0 else "validation split"
+    return f"{what}, {which} ({dataset.split})"
 
 
-def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None) -> tuple[Any, str]:
+def _from_template(run_config: dict[str, Any]) -> Any:
+    """A ConfigContainer for a checkpoint whose run config has a model but no run (``nemo llm import`` writes
+    only the model, tokenizer and checkpoint sections): Megatron Bridge's pre-training template
+    (:func:`bridge_ext.patches.adapters.pretrain_template`) with the checkpoint's model; one sequence per batch."""
+    from bridge_ext.inference.model import model_provider
+    from bridge_ext.patches.adapters import pretrain_template
+
+    cfg = pretrain_template()
+    cfg.model = model_provider(run_config)
+    seq = int(cfg.model.seq_length)
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = 1
+    cfg.train.train_iters = 1
+    cfg.dataset.seq_length = seq
+    if hasattr(cfg.dataset, "sequence_length"):
+        cfg.dataset.sequence_length = seq
+    cfg.dataset.blend = cfg.dataset.blend_per_split = None
+    cfg.mixed_precision = None  # the model's own dtype (the import's run config records it)
+    cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"  # the checkpoint's own (set by the caller)
+    cfg.tokenizer.vocab_size = None
+    if hasattr(cfg.tokenizer, "use_tokenizer_vocab_size"):
+        cfg.tokenizer.use_tokenizer_vocab_size = False
+    for holder in (cfg.ddp, cfg.optimizer):
+        if hasattr(holder, "use_distributed_optimizer"):
+            holder.use_distributed_optimizer = False
+    return cfg
+
+
+def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None,
+            split: str | None = None) -> tuple[Any, str]:
     from megatron.bridge.training.config import ConfigContainer
 
-    from bridge_ext.inference.model import read_run_config
+    from bridge_ext.inference.model import read_run_config, without_runtime_objects
 
-    from bridge_ext.inference.model import without_runtime_objects
+    run_config = read_run_config(iter_dir)
+    imported = not isinstance(run_config.get("train"), dict) or not isinstance(run_config.get("dataset"), dict)
+    if imported:
+        if data is None:
+            raise UserError(f"{iter_dir} holds a model without a training run (an import): no data of its own; "
+                            "pass --data PATH (a .jsonl/.txt file, a prepare-data prefix or YAML) or --data mock")
+        from bridge_ext.inference.model import checkpoint_tokenizer
 
-    cfg = ConfigContainer.from_dict(without_runtime_objects(read_run_config(iter_dir)))
+        cfg = _from_template(run_config)
+        # the import's tokenizer: also the mock dataset's end of document, an id of the model's vocabulary
+        cfg.tokenizer.tokenizer_model = str(checkpoint_tokenizer(ckpt, iter_dir, run_config).directory)
+    else:
+        cfg = ConfigContainer.from_dict(without_runtime_objects(run_config))
     root = iter_dir.parent
     c = cfg.checkpoint
     c.load, c.ckpt_step, c.load_optim, c.load_rng, c.finetune = str(root), number, False, False, False
@@ -113,6 +280,8 @@ def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens
     batch = cfg.train.global_batch_size * cfg.model.seq_length
     section = _section(cfg)
     runs = getattr(section, "eval_iters", None) or getattr(cfg.train, "eval_iters", None) or 0
+    if imported:
+        runs = 0
     eval_iters = math.ceil(tokens / batch) if tokens else (runs or DEFAULT_EVAL_ITERS)
     for holder in {id(section): section, id(cfg.train): cfg.train}.values():
         if hasattr(holder, "eval_iters"):
@@ -124,7 +293,7 @@ def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens
     # run's first validation pass need the same sampler.
     if type(cfg.dataset).__name__ in ("GPTDatasetConfig", "MockGPTDatasetConfig"):
         cfg.dataset.dataloader_type = "cyclic"
-    described = _use_data(cfg, data)
+    described = _use_data(cfg, data, split=split, ckpt=ckpt, iter_dir=iter_dir, run_config=run_config)
     return cfg, described
 
 
@@ -147,7 +316,8 @@ class _Capture:
         return Capture()
 
 
-def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None) -> tuple[Any, str, Any]:
+def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None,
+         split: str | None) -> tuple[Any, str, Any]:
     import gc
 
     import torch
@@ -160,7 +330,7 @@ def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: i
         from bridge_ext import cpu as cpu_mode
 
         cpu_mode.enable_cpu_mode()
-    cfg, described = _config(ckpt, iter_dir, number, data=data, tokens=tokens)
+    cfg, described = _config(ckpt, iter_dir, number, data=data, tokens=tokens, split=split)
     if cpu:
         from bridge_ext.cpu import configure_for_cpu
 
@@ -190,7 +360,8 @@ def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: i
 
 
 def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | None = None,
-                        tokens: int | None = None, checksums: bool = True, verbose: bool = False) -> Evaluated:
+                        tokens: int | None = None, split: str | None = None, checksums: bool = True,
+                        verbose: bool = False) -> Evaluated:
     """One iteration's held-out loss (see the module's docstring)."""
     from bridge_ext.checkpoints.integrity import verify
 
@@ -199,7 +370,7 @@ def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | 
     from bridge_ext.inference.model import quiet_native_output
 
     with quiet_upstream(verbose=verbose), quiet_native_output(not verbose):
-        cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens)
+        cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens, split=split)
     if capture.loss is None:
         raise UserError(f"Megatron Bridge's evaluation of {iter_dir} returned no loss (no validation data?)")
     batch = cfg.train.global_batch_size * cfg.model.seq_length
@@ -250,8 +421,8 @@ def _table(rows: list[Evaluated]) -> str:
 
 
 def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool = False, data: str | None = None,
-                 tokens: int | None = None, out: Path | None = None, as_json: bool = False, checksums: bool = True,
-                 verbose: bool = False) -> list[Evaluated]:
+                 tokens: int | None = None, split: str | None = None, out: Path | None = None,
+                 as_json: bool = False, checksums: bool = True, verbose: bool = False) -> list[Evaluated]:
     """The command: every selected iteration of every ``--ckpt``; a table (or JSON lines); CSV + PNG in ``out``."""
     if out is not None and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is not a directory")
@@ -260,8 +431,8 @@ def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool
     rows = []
     for ckpt, iter_dir, number in plan:
         print(f"evaluating {ckpt} iteration {number} ...", file=sys.stderr, flush=True)
-        row = evaluate_checkpoint(ckpt, iter_dir, number, data=data, tokens=tokens, checksums=checksums,
-                                  verbose=verbose)
+        row = evaluate_checkpoint(ckpt, iter_dir, number, data=data, tokens=tokens, split=split,
+                                  checksums=checksums, verbose=verbose)
         rows.append(row)
         if as_json:
             print(json.dumps(asdict(row)), flush=True)
@@ -274,3 +445,143 @@ def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool
         write_plot(rows, out / "evaluate.png")
         print(f"wrote {out / 'evaluate.csv'} and {out / 'evaluate.png'}", file=sys.stderr)
     return rows
+
+
+# ------------------------------------------------------------------------------------- multiple choice (--choices)
+@dataclass(frozen=True)
+class ChoiceRecord:
+    line: int
+    context: str
+    choices: list[str]
+    label: int
+
+
+@dataclass
+class Scored:
+    line: int
+    label: int
+    loglikelihoods: list[float]  # per choice: the sum of its tokens' log-probabilities given the context
+    tokens: list[int]  # per choice: how many tokens were scored
+    bytes: list[int]  # per choice: its UTF-8 length (acc_norm's divisor)
+    pred: int  # argmax of loglikelihoods (first on ties, as numpy.argmax)
+    pred_norm: int  # argmax of loglikelihoods / bytes
+
+
+def read_choices(path: Path) -> list[ChoiceRecord]:
+    """``{"context": str, "choices": [str, ...], "label": int}`` per line (blank lines skipped); anything else is
+    refused in one line naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--choices {path} does not exist")
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"--choices {path} is not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: not a JSON object")
+        missing = [k for k in ("context", "choices", "label") if k not in record]
+        if missing:
+            raise UserError(f"{where}: no {missing[0]!r} (each line needs context, choices and label)")
+        context, choices, label = record["context"], record["choices"], record["label"]
+        if not isinstance(context, str):
+            raise UserError(f"{where}: context must be a string")
+        if not isinstance(choices, list) or not choices:
+            raise UserError(f"{where}: choices must be a non-empty list of strings")
+        if not all(isinstance(c, str) and c for c in choices):
+            raise UserError(f"{where}: every choice must be a non-empty string")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+            raise UserError(f"{where}: label {label!r} is not an index into its {len(choices)} choices")
+        records.append(ChoiceRecord(number, context, list(choices), label))
+    if not records:
+        raise UserError(f"--choices {path} has no records")
+    return records
+
+
+def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness's ``_encode_pair``: trailing spaces of the context move to the continuation, the
+    whole string is tokenized, and the continuation's tokens are those after the context's own tokens."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        continuation = context[-spaces:] + continuation
+        context = context[:-spaces]
+    whole = tokenizer.encode(context + continuation)
+    context_ids = tokenizer.encode(context)
+    return context_ids, whole[len(context_ids):]
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def score_choices(model: Any, records: list[ChoiceRecord]) -> list[Scored]:
+    """Each choice's summed log-likelihood given its context through ``model.logits`` (a
+    :class:`~bridge_ext.inference.model.MegatronModel`: the checkpoint's own forward), harness-style: an empty
+    context is the end-of-text token; a sequence longer than the model's context keeps its last tokens."""
+    import torch
+
+    tok = model.tokenizer
+    scored = []
+    for record in records:
+        sums, counts = [], []
+        for choice in record.choices:
+            context_ids, choice_ids = encode_pair(tok, record.context, choice)
+            if not context_ids:
+                if tok.eod is None:
+                    raise UserError(f"line {record.line}: an empty context needs an end-of-text token")
+                context_ids = [tok.eod]
+            if not choice_ids:
+                raise UserError(f"line {record.line}: choice {choice!r} adds no token to its context")
+            if len(choice_ids) > model.context:
+                raise UserError(f"line {record.line}: choice {choice!r} has {len(choice_ids)} tokens; the model's "
+                                f"context is {model.context}")
+            ids = (context_ids + choice_ids)[-(model.context + 1):]
+            inputs = torch.tensor([ids[:-1]], dtype=torch.long)
+            device = next(model.module.parameters()).device
+            logits = model.logits(inputs.to(device))[0]
+            logprobs = torch.log_softmax(logits.double(), dim=-1)[-len(choice_ids):]
+            targets = torch.tensor(choice_ids, device=logprobs.device).unsqueeze(-1)
+            sums.append(float(logprobs.gather(-1, targets).sum()))
+            counts.append(len(choice_ids))
+        lengths = [len(c.encode("utf-8")) for c in record.choices]
+        scored.append(Scored(record.line, record.label, sums, counts, lengths, _argmax(sums),
+                             _argmax([s / n for s, n in zip(sums, lengths)])))
+    return scored
+
+
+def run_choices(*, ckpts: list[Path], choices: Path, iteration: int | None = None, every: bool = False,
+                as_json: bool = False, checksums: bool = True, verbose: bool = False,
+                tokenizer: Path | None = None) -> list[dict[str, Any]]:
+    """``--choices``: acc and acc_norm of every selected iteration (docs/evaluate.md)."""
+    from bridge_ext.inference.model import megatron_model
+
+    records = read_choices(choices)
+    plan = [(ckpt, number) for ckpt in ckpts
+            for _, number in select_iterations(ckpt, iteration=iteration, every=every)]
+    results = []
+    for ckpt, number in plan:
+        print(f"scoring {len(records)} records of {choices} with {ckpt} iteration {number} ...", file=sys.stderr,
+              flush=True)
+        with megatron_model(ckpt, iteration=number, tokenizer=tokenizer, checksums=checksums,
+                            verbose=verbose) as model:
+            scored = score_choices(model, records)
+        acc = sum(s.pred == s.label for s in scored) / len(scored)
+        acc_norm = sum(s.pred_norm == s.label for s in scored) / len(scored)
+        summary = {"run": str(ckpt), "iteration": number, "choices": str(choices), "records": len(scored),
+                   "acc": acc, "acc_norm": acc_norm}
+        results.append(summary)
+        if as_json:
+            for s in scored:
+                print(json.dumps({"run": str(ckpt), "iteration": number, **asdict(s)}), flush=True)
+            print(json.dumps(summary), flush=True)
+        else:
+            print(f"{ckpt} iteration {number}: {len(scored)} records, acc {acc:.4f}, acc_norm {acc_norm:.4f}")
+    return results
