@@ -27,11 +27,11 @@ selection beside its other tests. How it stays cheap:
   (``cpu-tp2-ep2``), then 2 (every 2-process layout, the pairs into them, then the ``--tp/--pp/--ep`` exports),
   then this process, then one more 4-process launch for the pairs into ``cpu-tp2-ep2`` (their sources are
   saved by the 2-process launch). A run's own cost is ~2.5 s (2 processes) of start-up around 1-2 iterations.
-- From step 0 in every layout (issue 38): per family, a 2-iteration run from scratch in each shipped layout,
-  saved at iterations 1 and 2, in the same launches: the first loss equals the one-process reference's, the
-  second is within LOSS_TOL, and the weights saved at iteration 1 -- the step-0 weights: the recipes' warmup
-  starts at a learning rate of 0 -- equal a one-process scratch run's, read by torch's own DCP reader
-  (tests/ckpt_io.py). 2-iteration runs, ~2.5 s each in the launches already there.
+- From step 0 in every layout (issue 38): per family, a 1-iteration run from scratch in each shipped layout,
+  saved, in the same launches: its loss equals the one-process reference's first, and the weights it saved --
+  the step-0 weights: the recipes' warmup starts at a learning rate of 0 -- equal a one-process scratch run's,
+  read by torch's own DCP reader (tests/ckpt_io.py). ~2.5 s each in the launches already there; the steps after
+  are the cycle's and pairs' (a resume in another layout reproduces the run).
 - Kimi K2's TP2 x EP2 checkpoint: the layout is in the files (2 stored chunks per query projection), and random
   regions the streaming reader reads across chunk borders equal torch's own DCP -> torch.save conversion.
 
@@ -121,15 +121,15 @@ def cycle(family: str, tmp: Path) -> tuple[Phase, list[Phase]]:
 
 
 def from_scratch(family: str, tmp: Path) -> list[Phase]:
-    """Two iterations from step 0 in each of the family's shipped layouts (``cpu`` included), saved at 1 and 2."""
+    """One iteration from step 0 in each of the family's shipped layouts (``cpu`` included), saved."""
     recipe = FAMILIES[family]
-    return [Phase(family, recipe, layout, None, 0, 2, tmp / f"{family}-scratch-{layout}")
+    return [Phase(family, recipe, layout, None, 0, 1, tmp / f"{family}-scratch-{layout}")
             for layout in shipped_cpu_layouts(recipe)]
 
 
 def check_from_scratch(scratch: list[Phase], references: dict[str, Phase]) -> None:
-    """Every layout starts where one process starts: the first loss equal, the second within LOSS_TOL, and the
-    weights at iteration 1 (the warmup's learning rate 0: the step-0 weights) equal, tensor by tensor."""
+    """Every layout starts where one process starts: the first loss equal, and the weights at iteration 1 (the
+    warmup's learning rate 0: the step-0 weights) equal, tensor by tensor."""
     import torch
 
     from ckpt_io import read_global_tensors
@@ -137,7 +137,7 @@ def check_from_scratch(scratch: list[Phase], references: dict[str, Phase]) -> No
     ones = {p.recipe: p for p in scratch if p.layout == "cpu"}
     for p in scratch:
         got, want = _losses(p.save), _losses(references[p.recipe].save)
-        assert got[1] == want[1] and abs(got[2] - want[2]) <= LOSS_TOL, (p.save.name, got, want)
+        assert list(got) == [1] and got[1] == want[1], (p.save.name, got, want)
         if p.layout == "cpu":
             continue
         mine = read_global_tensors(p.save / "iter_0000001")
@@ -318,8 +318,9 @@ def check_te_checkpoint_keys(references: dict[str, Phase]) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     for recipe, phase in references.items():
-        keys = [k for k in FileSystemReader(str(phase.save / f"iter_{SAVED_AT:07d}")).read_metadata()
-                .state_dict_metadata if not k.startswith("optimizer")]
+        saved = sorted(phase.save.glob("iter_*"))[-1]
+        keys = [k for k in FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+                if not k.startswith("optimizer")]
         layers = {m.group(1) or "" for k in keys if (m := re.match(r"decoder\.layers\.(\d+\.)?", k))}
         assert layers, (recipe, keys)
         for layer in layers:

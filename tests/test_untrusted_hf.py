@@ -28,7 +28,7 @@ from bridge_ext.hf import untrusted
 from bridge_ext.hf.directory import inspect_hf_dir, read_safetensors_header
 from bridge_ext.hf.untrusted import MAX_HEADER_BYTES, check_finite, check_model_fits
 
-pytestmark = pytest.mark.stack
+pytestmark = pytest.mark.stack  # the checks met through transformers and the commands; `once`: our parser alone
 
 
 # ------------------------------------------------------------------------------------------------- planting
@@ -93,6 +93,7 @@ UP = "model.layers.1.mlp.up_proj.weight"  # [128, 64]: as many bytes as DOWN
 
 
 # ------------------------------------------------------------------------------------------------- headers
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_header_length_past_the_file_is_refused_unread(hf):
     shard = shard_of(hf, DOWN)
     with open(shard, "r+b") as handle:
@@ -100,6 +101,7 @@ def test_header_length_past_the_file_is_refused_unread(hf):
     refused(hf, shard.name, f"header length {shard.stat().st_size:,}")
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_header_length_meant_to_exhaust_memory_is_refused_before_reading(tmp_path):
     """A sparse file larger than the cap whose header claims cap + 1 bytes: refused from the 8-byte prefix."""
     shard = tmp_path / "model.safetensors"
@@ -111,6 +113,7 @@ def test_header_length_meant_to_exhaust_memory_is_refused_before_reading(tmp_pat
     assert "model.safetensors" in str(info.value)
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_tensor_past_the_end_of_the_file(hf):
     shard = shard_of(hf, DOWN)
     length, header = header_of(shard)
@@ -120,6 +123,7 @@ def test_tensor_past_the_end_of_the_file(hf):
     refused(hf, shard.name, f"tensor {DOWN} ends at byte {data_len + nbytes:,}", "truncated")
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_overlapping_tensors(hf):
     shard = shard_of(hf, DOWN)
     assert shard_of(hf, UP) == shard
@@ -130,6 +134,7 @@ def test_overlapping_tensors(hf):
     refused(hf, shard.name, f"tensors {first} and {second} overlap")
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_bytes_that_belong_to_no_tensor(hf):
     shard = shard_of(hf, DOWN)
     rewrite_header(shard, lambda h: h.pop(DOWN))
@@ -140,12 +145,14 @@ def test_bytes_that_belong_to_no_tensor(hf):
     {"shape": [64, -128]}, {"shape": [64.0, 128]}, {"shape": [True, 128]}, {"data_offsets": [10, 2]},
     {"data_offsets": ["0", 32768]}, {"data_offsets": [0]},
 ])  # fmt: skip
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_malformed_entries(hf, entry):
     shard = shard_of(hf, DOWN)
     rewrite_header(shard, lambda h: h[DOWN].update(entry))
     refused(hf, shard.name, DOWN)
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_header_that_is_not_json_deep_nesting(hf):
     shard = shard_of(hf, DOWN)
     data = shard.read_bytes()
@@ -156,6 +163,7 @@ def test_header_that_is_not_json_deep_nesting(hf):
 
 @pytest.mark.parametrize("dtype, message", [("I64", "weights must be floating point"),
                                             ("BOOL", None), ("STR", "which conversion cannot take")])
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_dtypes_the_model_cannot_take(hf, dtype, message):
     shard = shard_of(hf, DOWN)
     itemsize = {"I64": 8, "BOOL": 1, "STR": 4}[dtype]
@@ -166,6 +174,7 @@ def test_dtypes_the_model_cannot_take(hf, dtype, message):
 
 
 # ------------------------------------------------------------------------------------------------- index, links
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_index_naming_a_file_outside_the_directory(hf):
     index = hf / "model.safetensors.index.json"
     raw = json.loads(index.read_text())
@@ -174,6 +183,7 @@ def test_index_naming_a_file_outside_the_directory(hf):
     refused(hf, "model.safetensors.index.json", "'../elsewhere.safetensors'")
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_index_putting_a_tensor_in_the_wrong_shard(hf):
     index = hf / "model.safetensors.index.json"
     raw = json.loads(index.read_text())
@@ -183,6 +193,7 @@ def test_index_putting_a_tensor_in_the_wrong_shard(hf):
     refused(hf, f"puts {DOWN} in {other}")
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_fifo_and_broken_link_shards_are_refused_without_blocking(hf):
     shard = shard_of(hf, DOWN)
     shard.unlink()
@@ -246,6 +257,7 @@ def test_config_larger_than_its_weights_is_refused_before_the_meta_model(tiny, h
     assert f"safetensors hold {stored / 1e3:.2f} KB" in message, message
 
 
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_config_json_over_the_size_cap_is_refused_unread(hf):
     config = hf / "config.json"
     with open(config, "r+b") as handle:
@@ -282,6 +294,7 @@ def test_no_stream_must_fit_the_machine(tiny, tmp_path, monkeypatch, cpu_mode):
 
 
 # ------------------------------------------------------------------------------------------------- NaN / Inf
+@pytest.mark.once  # our parser on planted bytes: the same on every stack
 def test_check_finite_names_the_tensor_and_the_first_bad_element():
     import torch
 
