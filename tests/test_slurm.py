@@ -136,7 +136,7 @@ def test_submitted_runs_and_stopped_requeued_runs_equal_the_one_process_run(on_c
     wait_for(limited[0], lambda job: int(job["Restarts"]) >= 1 or finished(job), timeout=240,
              what="requeued after its time limit")
     # On an idle machine the requeued attempt can finish before the update ("Job has already finished": the refusal
-    # seen in three of four runs here); a job still completing its first attempt is refused too: retried for up to 30 s.
+    # seen in three of four runs here); any other refusal is retried for up to 30 s.
     deadline = time.monotonic() + 30
     while (raised := subprocess.run(["scontrol", "update", f"JobId={limited[0]}", "TimeLimit=00:10:00"],
                                     capture_output=True, text=True)).returncode != 0:
