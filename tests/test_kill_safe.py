@@ -142,8 +142,8 @@ def test_training_loads_the_resume_point_and_refuses_incomplete_choices(tmp_path
     make_iteration(run, 4, COMPLETE[:5])
     write_tracker(run, 2)
     cfg = config()
-    unrecorded = (f"integrity: {run / 'iter_0000002'} has no integrity record (saved without bridge_ext); its files' "
-                  "sizes were checked against .metadata, their contents were not")
+    unrecorded = (f"integrity: {run / 'iter_0000002'} has no integrity record (saved without bridge_ext or with "
+                  "--no-checksums); its files' sizes were checked against .metadata, their contents were not")
     assert prepare_resume(cfg) == unrecorded and cfg.checkpoint.ckpt_step is None  # Megatron Bridge reads the tracker
     write_tracker(run, 4)
     assert prepare_resume(cfg) == (f"resume: iteration 4 in {run} is incomplete (missing run_config.yaml); using "

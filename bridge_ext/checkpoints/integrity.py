@@ -157,8 +157,8 @@ class Verified:
 
     def line(self, iter_dir: str | Path) -> str:
         if not self.recorded:
-            return (f"integrity: {iter_dir} has no integrity record (saved without bridge_ext); its files' sizes "
-                    "were checked against .metadata, their contents were not")
+            return (f"integrity: {iter_dir} has no integrity record (saved without bridge_ext or with "
+                    f"{FLAG}); its files' sizes were checked against .metadata, their contents were not")
         return (f"integrity: {self.bytes / 1e9:.2f} GB in {self.files} files of {iter_dir} match their checksums "
                 f"({self.seconds:.1f} s)")
 
