@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.checkpoints.pickles import load_metadata
+from bridge_ext.checkpoints.torch_dist import TorchDistChunks
 from bridge_ext.errors import UserError
 from bridge_ext.runtime import write_atomic
 
@@ -167,33 +168,17 @@ def _in_scope(key: str | None, scope: Scope) -> bool:
     return scope == "all" or key is None or not key.startswith("optimizer.")
 
 
-def _damaged(path: Path, what: str, *, colon: bool = True) -> UserError:
-    return UserError(f"{path}{': ' if colon else ' '}{what}; the checkpoint is damaged (use another iteration or a "
-                     "good copy)")
+def _damaged(path: Path, what: str) -> UserError:
+    return UserError(f"{path}: {what}; the checkpoint is damaged (use another iteration or a good copy)")
 
 
 def _check_layout(iter_dir: Path, scope: Scope) -> None:
     """Every item ``.metadata`` places is in an existing file, within its size (a stat per file)."""
     if not (iter_dir / ".metadata").is_file():
         return
-    metadata = load_metadata(iter_dir)
-    sizes: dict[str, int | None] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if not _in_scope(index.fqn, scope):
-            continue
-        if info.relative_path not in sizes:
-            try:
-                sizes[info.relative_path] = os.stat(iter_dir / info.relative_path).st_size
-            except FileNotFoundError:
-                sizes[info.relative_path] = None
-        size, path = sizes[info.relative_path], iter_dir / info.relative_path
-        where = index.fqn if index.offset is None else f"{index.fqn} at {list(index.offset)}"
-        if size is None:
-            raise _damaged(path, f"is missing (it holds {where})", colon=False)
-        if size < info.offset + info.length:
-            raise _damaged(path, f"is {size} bytes, shorter than .metadata says ({where} ends at byte "
-                                 f"{info.offset + info.length}: the file is truncated, or .metadata is another "
-                                 "save's)", colon=False)
+    problem = TorchDistChunks(iter_dir).missing_file(optimizer=scope == "all", objects=True)
+    if problem is not None:  # a truncated file, or a .metadata of another save
+        raise UserError(f"{problem}; the checkpoint is damaged (use another iteration or a good copy)")
 
 
 def _read_records(iter_dir: Path) -> list[dict[str, Any]]:

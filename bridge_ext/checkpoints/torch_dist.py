@@ -174,7 +174,7 @@ class TorchDistChunks:
         self.directory = directory
         self.metadata = load_metadata(directory)  # FileSystemReader.read_metadata, with only allowed classes
         self._where = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
-                       for index, info in self.metadata.storage_data.items()}  # fmt: skip
+                       for index, info in (self.metadata.storage_data or {}).items()}  # fmt: skip
         self._sizes: dict[str, int | None] = {}
         self._indexes: dict[str, _ChunkIndex] = {}
         self._lock = threading.Lock()
@@ -219,20 +219,22 @@ class TorchDistChunks:
                     f"of size {list(sizes)}")  # fmt: skip
         return None
 
-    def _file_problem(self, key: str, offsets: tuple[int, ...], info: Any) -> str | None:
+    def _file_problem(self, key: str, offsets: tuple[int, ...] | None, info: Any) -> str | None:
         size = self._file_size(info.relative_path)
+        where = key if offsets is None else f"{key} at {list(offsets)}"
         if size is None:
-            return f"{self.directory / info.relative_path} is missing (it holds {key} at {list(offsets)})"
+            return f"{self.directory / info.relative_path} is missing (it holds {where})"
         if size < info.offset + info.length:
             return (f"{self.directory / info.relative_path} is {size} bytes, shorter than .metadata says "
-                    f"({key} at {list(offsets)} ends at byte {info.offset + info.length})")  # fmt: skip
+                    f"({where} ends at byte {info.offset + info.length})")  # fmt: skip
         return None
 
-    def missing_file(self) -> str | None:
-        """The first file of a model tensor (optimizer state aside) that is missing or shorter than ``.metadata``
-        says, naming the tensor, or None: one ``stat`` per file."""
+    def missing_file(self, *, optimizer: bool = False, objects: bool = False) -> str | None:
+        """The first file of a model tensor (``optimizer``: optimizer state too; ``objects``: the stored objects
+        too) that is missing or shorter than ``.metadata`` says, naming the tensor, or None: one ``stat`` per
+        file."""
         for (key, offsets), info in self._where.items():
-            if offsets is not None and not key.startswith("optimizer."):
+            if (offsets is not None or objects) and (optimizer or not key.startswith("optimizer.")):
                 problem = self._file_problem(key, offsets, info)
                 if problem is not None:
                     return problem
