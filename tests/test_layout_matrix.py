@@ -8,8 +8,10 @@ plus the Qwen3 AdamW recipe on ``cpu-dp2`` with megatron-core's distributed opti
 ones each proxy ships (recipes/layouts.py): dense ``cpu``, ``cpu-dp2``, ``cpu-tp2``, ``cpu-pp2``; MoE those and
 ``cpu-ep2``, ``cpu-tp2-ep2``.
 
-One test, every stack (CI included: ``stack``, ``matrix``); measured 650-750 CPU-seconds, 532 s of 26.08's CI
-selection beside its other tests. How it stays cheap:
+Two tests, one run of the references and cycles (a module fixture, one xdist group): the cycle test on every
+stack (``stack``, ``matrix``), the pairs test also ``heavy`` (CI: 26.02 and newest). The whole measured 650-750
+CPU-seconds, 532 s of 26.08's CI selection beside its other tests, before the pairs moved to ``heavy``. How it stays
+cheap:
 
 - One reference run per family on one process (in this process), the layouts' cycle's length + 3 iterations,
   saved at iteration 2: its losses are what every other run must reproduce (the layouts compute the same
@@ -412,7 +414,7 @@ def check_refusal(nemo, phase: Phase) -> None:
 
 @dataclass
 class Matrix:
-    """What one selection ran: the runs to check, the exports to compare."""
+    """What the cycle selection ran: the runs to check, the exports to compare, the checkpoints pairs resume."""
 
     references: dict[str, Phase]
     resumes: list[Phase]
@@ -420,11 +422,13 @@ class Matrix:
     exported_here: dict
     exported_on_two: dict
     refused: Phase
+    saved: dict[str, dict[str, tuple[Path, int]]]
+    times: dict
 
 
-def run_matrix(tmp: Path, families: list[str], *, times: dict) -> Matrix:
-    """The references, cycles and every other pair of ``families``, the exports of each cycle checkpoint, and
-    the AdamW DP2 runs."""
+def run_matrix(tmp: Path, families: list[str]) -> Matrix:
+    """The references and cycles of ``families``, the exports of each cycle checkpoint, and the AdamW DP2 runs."""
+    times: dict = {}
     references, cycles, saved, scratch = {}, [], {}, []
     for family in families:
         scratch += from_scratch(family, tmp)
@@ -438,40 +442,54 @@ def run_matrix(tmp: Path, families: list[str], *, times: dict) -> Matrix:
         for reference in references.values():
             _nemo_here(reference.argv())
     plan, distributed = distributed_exports(saved, tmp)
-    extra = []
-    for family in families:
-        extra += pairs(family, saved[family], pairs_off_the_cycle(family), tmp)
-    # The cycle's phases first (each launch in cycle order), the pairs after them in the same launches: every
-    # pair's source is a checkpoint of the reference or the cycle, saved by then, except for pairs into a layout
-    # of more processes than the cycle's 2-process phases (cpu-tp2-ep2): those need one more 4-process launch.
-    later = [p for p in extra if p.processes > 2]
-    _run(cycles + adamw_phases + scratch + [p for p in extra if p.processes <= 2], plan, tmp, times)
-    _run(later, [], tmp, times)
+    _run(cycles + adamw_phases + scratch, plan, tmp, times)
     # the distributed optimizer's checkpoint (optimizer state in per-bucket shards) exports too
-    saved["qwen3-adamw"] = {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}
-    here = _export_here(saved, tmp, times)
-    return Matrix(references, cycles + adamw_phases + extra, scratch, here, distributed, refused)
+    exported = dict(saved, **{"qwen3-adamw": {"cpu-dp2": (adamw_phases[0].save, SAVED_AT)}})
+    here = _export_here(exported, tmp, times)
+    return Matrix(references, cycles + adamw_phases, scratch, here, distributed, refused, saved, times)
+
+
+@pytest.fixture(scope="module")
+def matrix(cpu_mode, tmp_path_factory) -> Matrix:
+    """The cycle selection, run once for this module's two tests (one xdist group: one worker runs both)."""
+    return run_matrix(tmp_path_factory.mktemp("matrix"), list(FAMILIES))
 
 
 @pytest.mark.slow
 @pytest.mark.stack
 @pytest.mark.matrix
-def test_every_family_saved_in_every_layout_exports_and_resumes_in_every_other(cpu_mode, nemo, tmp_path):
-    """Qwen3, Qwen3-MoE, Kimi K2 and Moonlight proxies: the cycle, every other ordered pair of shipped layouts,
-    every export; AdamW DP2 -> 1 refused in one line."""
-    times: dict = {}
-    with _Clock(times, "total"):
-        done = run_matrix(tmp_path, list(FAMILIES), times=times)
-    check_exports(done.exported_here, done.exported_on_two)
+@pytest.mark.xdist_group("layout-matrix")
+def test_every_family_saved_in_every_layout_exports_and_resumes_along_a_covering_cycle(matrix, nemo):
+    """Qwen3, Qwen3-MoE, Kimi K2 and Moonlight proxies: from step 0 in every layout, the cycle (every layout a
+    source and a target once), every export; AdamW DP2 -> 1 refused in one line."""
+    check_exports(matrix.exported_here, matrix.exported_on_two)
     # the 4-process layout's checkpoint: experts and MLA in TP2 x EP2 chunks
-    saved = next(p for p in done.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
+    saved = next(p for p in matrix.resumes if p.recipe == FAMILIES["kimi_k2"] and p.layout == "cpu-tp2-ep2")
     check_stored_chunks(saved.save, saved.iters, tp=2)
-    check_integrity_records(done.resumes)
-    check_from_scratch(done.scratch, done.references)
-    check_te_checkpoint_keys(done.references)
-    check_refusal(nemo, done.refused)  # the nemo fixture drops what the test printed before
+    check_integrity_records(matrix.resumes)
+    check_from_scratch(matrix.scratch, matrix.references)
+    check_te_checkpoint_keys(matrix.references)
+    check_refusal(nemo, matrix.refused)  # the nemo fixture drops what the test printed before
+    print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in matrix.times.items()))
+    check_losses(matrix.resumes, matrix.references)
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.matrix
+@pytest.mark.heavy
+@pytest.mark.xdist_group("layout-matrix")
+def test_every_other_ordered_pair_of_layouts_resumes_with_the_reference_losses(matrix, tmp_path):
+    """Every ordered pair of shipped layouts the cycle does not resume (Qwen3-MoE, Kimi K2 and Moonlight 24 each,
+    Qwen3 8): a two-iteration resume of the cycle's checkpoint of the source in the target. ``heavy`` (CI: 26.02
+    and newest): the cycle above resumes into and out of every layout on every stack."""
+    times: dict = {}
+    extra = [p for family in FAMILIES
+             for p in pairs(family, matrix.saved[family], pairs_off_the_cycle(family), tmp_path)]
+    assert len(extra) == 3 * 24 + 8
+    _run(extra, [], tmp_path, times)  # falling process counts: into cpu-tp2-ep2 (4), the 2-process ones, then here
     print("\n" + "\n".join(f"{what}: {seconds}" for what, seconds in times.items()))
-    check_losses(done.resumes, done.references)
+    check_losses(extra, matrix.references)
 
 
 @pytest.mark.parametrize(("saved", "now", "refused"), [
