@@ -33,6 +33,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: all)")
     p.add_argument("--seed", type=int, default=1234, help="the sampler's seed")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="--out/--json: prompts decoded together (default 8); the console streams one at a time")
     p.add_argument("--out", type=Path, default=None, help="write the continuations as JSONL here")
     p.add_argument("--json", action="store_true", help="JSONL on stdout instead of streamed text")
     p.add_argument("--verbose", action="store_true", help="show Megatron's and transformers' own output")
@@ -46,10 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.hf is not None and args.iteration is not None:
         raise UserError("--iteration applies to --ckpt, not --hf")
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
     run_generate(ckpt=args.ckpt, hf=args.hf, prompts=prompts, sampling=sampling, iteration=args.iteration,
                  tokenizer=args.tokenizer, out=args.out, as_json=args.json, checksums=args.checksums,
-                 verbose=args.verbose)
+                 verbose=args.verbose, batch_size=args.batch_size)
     return 0

@@ -1,7 +1,9 @@
 """``nemo llm generate``: one decoding loop over a Megatron checkpoint or a Hugging Face directory.
 
-Each step takes the logits of the last position (Megatron: the whole sequence again through the model's own
-forward, no KV cache; transformers: its KV cache) over the model's own vocabulary and picks the next token:
+Decoding is KV-cached on both sides (Megatron: megatron-core's ``StaticInferenceContext`` in the model's own
+forward, :class:`~bridge_ext.inference.model.KVSession`; transformers: its ``past_key_values``) and batched as
+megatron-core's text-generation controller batches (:func:`decode_batch`). Each step takes the logits of the last
+position over the model's own vocabulary and picks the next token:
 greedy (``temperature 0``, the default: the arg-max, first index on ties, as ``torch.argmax`` and transformers'
 greedy search) or sampled (logits / temperature, then top-k, then top-p over the sorted probabilities, keeping
 at least one token, then one draw from a ``torch.Generator`` seeded with ``--seed``). It stops at the
@@ -19,7 +21,7 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["Sampling", "Generated", "decode_loop", "read_prompts", "run_generate"]
+__all__ = ["Sampling", "Generated", "decode_batch", "decode_loop", "read_prompts", "run_generate"]
 
 
 @dataclass(frozen=True)
@@ -73,36 +75,54 @@ def pick(logits: Any, sampling: Sampling, generator: Any) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def decode_loop(model: Any, prompt_ids: list[int], sampling: Sampling, *,
-                on_token: Callable[[list[int]], None] | None = None) -> tuple[list[int], str]:
-    """Continue ``prompt_ids`` with ``model`` (a :class:`~bridge_ext.inference.model.MegatronModel` or
-    :class:`~bridge_ext.inference.model.HFModel`); returns the new ids and why it stopped."""
+def decode_batch(model: Any, prompts: list[list[int]], sampling: Sampling, *,
+                 on_token: Callable[[list[int]], None] | None = None) -> list[tuple[list[int], str]]:
+    """Continue every prompt of ``prompts`` (token ids) together with ``model`` (a
+    :class:`~bridge_ext.inference.model.MegatronModel` or :class:`~bridge_ext.inference.model.HFModel`) through one
+    KV-cached session (``model.session``); returns each row's new ids and why it stopped.
+
+    Static batching as megatron-core's text-generation controller does it: the prompts' common length is
+    encoded in one pass, then every call feeds one position of every row, the prompt's own token while a row
+    is still inside its prompt, else the token picked for it. Each row attends only to its own positions, so
+    it is continued as it would be alone; each has its own sampler seeded with ``--seed``. ``on_token``
+    (one prompt: the console stream) sees the first row's new ids after each token."""
     import torch
 
-    generator = torch.Generator().manual_seed(sampling.seed)
+    rows = len(prompts)
+    generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
     device = next(model.module.parameters()).device
     eos = model.tokenizer.eod
-    ids = list(prompt_ids)
-    new: list[int] = []
-    past = None
-    hf = hasattr(model, "path")
+    ids = [list(p) for p in prompts]
+    new: list[list[int]] = [[] for _ in prompts]
+    stop: list[str | None] = [None] * rows
+    session = model.session(rows)
+    feed = [row[: min(map(len, prompts))] for row in ids]
     while True:
-        if len(new) >= sampling.max_new_tokens:
-            return new, "max_new_tokens"
-        if model.context and len(ids) >= model.context:
-            return new, "context"
-        if hf:
-            feed = ids if past is None else ids[-1:]
-            logits, past = model.logits(torch.tensor([feed], device=device), past)
-        else:
-            logits = model.logits(torch.tensor([ids], device=device))
-        token = pick(logits[0, -1], sampling, generator)
-        ids.append(token)
-        new.append(token)
-        if on_token is not None:
-            on_token(new)
-        if eos is not None and token == eos:
-            return new, "eos"
+        logits = session(torch.tensor(feed, device=device))
+        done = session.position  # positions in the cache: the logits predict position `done`
+        for r in range(rows):
+            if stop[r] is not None or len(ids[r]) > done:  # finished, or still inside its prompt
+                continue
+            token = pick(logits[r], sampling, generators[r])
+            ids[r].append(token)
+            new[r].append(token)
+            if on_token is not None and r == 0:
+                on_token(new[r])
+            if eos is not None and token == eos:
+                stop[r] = "eos"
+            elif len(new[r]) >= sampling.max_new_tokens:
+                stop[r] = "max_new_tokens"
+            elif model.context and len(ids[r]) >= model.context:
+                stop[r] = "context"
+        if all(reason is not None for reason in stop):
+            return [(n, reason) for n, reason in zip(new, stop)]
+        feed = [[row[done] if len(row) > done else row[-1]] for row in ids]  # a finished row repeats its last
+
+
+def decode_loop(model: Any, prompt_ids: list[int], sampling: Sampling, *,
+                on_token: Callable[[list[int]], None] | None = None) -> tuple[list[int], str]:
+    """One prompt (:func:`decode_batch` with one row)."""
+    return decode_batch(model, [prompt_ids], sampling, on_token=on_token)[0]
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -161,28 +181,38 @@ class _Stream:
         self.out.flush()
 
 
-def generate_all(model: Any, prompts: Iterable[str], sampling: Sampling, *, stream: Any = None) -> list[Generated]:
+def generate_all(model: Any, prompts: list[str], sampling: Sampling, *, stream: Any = None,
+                 batch_size: int = 1) -> list[Generated]:
+    """Every prompt's continuation: streamed one prompt at a time to ``stream``, else ``batch_size`` prompts
+    decoded together (:func:`decode_batch`)."""
+    encoded = [_encode(model, prompt, sampling) for prompt in prompts]  # every prompt checked before decoding
     results = []
-    for prompt in prompts:
-        ids = _encode(model, prompt, sampling)
-        on_token = None
-        if stream is not None:
+    if stream is not None:
+        for prompt, ids in zip(prompts, encoded):
             stream.write(prompt)
             on_token = _Stream(model, stream)
-        new, stop = decode_loop(model, ids, sampling, on_token=on_token)
-        text = model.tokenizer.decode(new)
-        if on_token is not None:
+            new, stop = decode_loop(model, ids, sampling, on_token=on_token)
+            text = model.tokenizer.decode(new)
             on_token.finish(text)
-        results.append(Generated(prompt, text, len(ids), new, stop))
+            results.append(Generated(prompt, text, len(ids), new, stop))
+        return results
+    for first in range(0, len(prompts), batch_size):
+        chunk = encoded[first: first + batch_size]
+        for prompt, ids, (new, stop) in zip(prompts[first: first + batch_size], chunk,
+                                            decode_batch(model, chunk, sampling)):
+            results.append(Generated(prompt, model.tokenizer.decode(new), len(ids), new, stop))
     return results
 
 
 def run_generate(*, ckpt: Path | None, hf: Path | None, prompts: list[str], sampling: Sampling,
                  iteration: int | None = None, tokenizer: Path | None = None, out: Path | None = None,
-                 as_json: bool = False, checksums: bool = True, verbose: bool = False) -> list[Generated]:
+                 as_json: bool = False, checksums: bool = True, verbose: bool = False,
+                 batch_size: int = 8) -> list[Generated]:
     """The command: prompts in, continuations out (streamed to stdout for console use; JSONL to ``out`` or, with
     ``as_json``, to stdout). Returns them."""
     sampling.check()
+    if batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
     if out is not None and not out.parent.is_dir():
         raise UserError(f"--out {out}: directory {out.parent} does not exist")
     err = sys.stderr  # the real one: loading the model hides upstream output
@@ -198,14 +228,14 @@ def run_generate(*, ckpt: Path | None, hf: Path | None, prompts: list[str], samp
                             verbose=verbose) as model:
             say(f"generate: {model.description}; tokenizer {model.tokenizer.description}; "
                 f"{'greedy' if sampling.greedy else 'sampling'}")
-            results = generate_all(model, prompts, sampling, stream=stream)
+            results = generate_all(model, prompts, sampling, stream=stream, batch_size=batch_size)
     else:
         from bridge_ext.inference.model import hf_model
 
         model = hf_model(hf, tokenizer=tokenizer)
         say(f"generate: {model.description}; tokenizer {model.tokenizer.description}; "
             f"{'greedy' if sampling.greedy else 'sampling'}")
-        results = generate_all(model, prompts, sampling, stream=stream)
+        results = generate_all(model, prompts, sampling, stream=stream, batch_size=batch_size)
     if out is not None or as_json:
         lines = "".join(json.dumps(asdict(r)) + "\n" for r in results)
         if out is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 
-__all__ = ["HFModel", "MegatronModel", "check_fits", "checkpoint_tokenizer", "hf_model", "megatron_model",
+__all__ = ["HFModel", "KVSession", "MegatronModel", "check_fits", "checkpoint_tokenizer", "hf_model", "megatron_model",
            "open_checkpoint", "quiet_native_output", "read_run_config"]
 
 
@@ -137,6 +137,61 @@ class MegatronModel:
             out = self.module(input_ids=ids, position_ids=positions, attention_mask=None)
         return out[..., : self.vocab_size].float()
 
+    def session(self, batch: int) -> Any:
+        """A decoding session with a KV cache for ``batch`` rows (:class:`KVSession`)."""
+        return KVSession(self, batch)
+
+
+class KVSession:
+    """Decoding with megatron-core's own KV cache: its ``StaticInferenceContext`` passed to the model's forward.
+
+    Each call feeds the next ``n`` positions of every row (``[batch, n]`` ids: the prompts' common prefix first,
+    then one position at a time) and returns the logits of the last one (``[batch, vocab]``, Megatron's padding
+    cut off). megatron-core's attention (``Attention._adjust_key_value_for_inference``, also MLA's) writes the new
+    keys and values into the context's buffers at ``sequence_len_offset`` and attends to everything cached so far
+    (its causal mask in the first pass, none after it); the model's forward computes only the last position's
+    logits (``materialize_only_last_token_logits``). Rotary positions follow ``sequence_len_offset``.
+
+    The buffers: megatron-core allocates them on ``torch.cuda.current_device()`` the first time a layer sees the
+    context, which CPU mode does not redirect in that module; they are allocated here instead, on the model's
+    device and in the shape megatron-core gives them (``[max_sequence, batch, query groups, key/value head size]``
+    per layer, keyed by ``layer_number``), which megatron-core then uses as its own.
+    """
+
+    def __init__(self, model: MegatronModel, batch: int):
+        import torch
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.transformer.attention import Attention
+
+        self.model = model
+        self.context = StaticInferenceContext(batch, model.context)
+        parameter = next(model.module.parameters())
+        for layer in model.module.modules():
+            if isinstance(layer, Attention):
+                self.context.key_value_memory_dict[layer.layer_number] = tuple(
+                    torch.zeros(model.context, batch, layer.num_query_groups_per_partition, size,
+                                dtype=parameter.dtype, device=parameter.device)
+                    for size in (layer.key_hidden_size, layer.val_hidden_size))
+        if not self.context.key_value_memory_dict:
+            raise UserError(f"{model.iter_dir}: the model has no megatron-core attention layer to cache")
+
+    @property
+    def position(self) -> int:
+        return self.context.sequence_len_offset
+
+    def __call__(self, ids: Any) -> Any:
+        import torch
+
+        start = self.context.sequence_len_offset
+        if start + ids.shape[1] > self.context.max_sequence_length:
+            raise UserError(f"decoding past the model's context ({self.context.max_sequence_length} tokens)")
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        with torch.no_grad():
+            out = self.model.module(input_ids=ids, position_ids=positions, attention_mask=None,
+                                    inference_context=self.context, runtime_gather_output=True)
+        self.context.sequence_len_offset += ids.shape[1]
+        return out[:, -1, : self.model.vocab_size].float()
+
 
 @contextlib.contextmanager
 def megatron_model(ckpt: str | Path, *, iteration: int | None = None, tokenizer: Path | None = None,
@@ -247,6 +302,22 @@ class HFModel:
         with torch.no_grad():
             out = self.module(input_ids=ids, past_key_values=past, use_cache=True)
         return out.logits[..., : self.vocab_size].float(), out.past_key_values
+
+    def session(self, batch: int) -> Any:
+        """Decoding with transformers' KV cache (``past_key_values``); the same calls as :class:`KVSession`. Every
+        row has the same length at every call, so no padding and no attention mask."""
+        model = self
+
+        class _Session:
+            past = None
+            position = 0
+
+            def __call__(self, ids: Any) -> Any:
+                logits, self.past = model.logits(ids, self.past)
+                self.position += ids.shape[1]
+                return logits[:, -1]
+
+        return _Session()
 
 
 def hf_model(path: str | Path, *, tokenizer: Path | None = None) -> HFModel:
