@@ -4,8 +4,11 @@ mode's), and listed in one registry (``bridge_ext.patches.registry``); this modu
 below the packages whose behaviour the rows wire in (``muon``, ``cpu``, ``kill_safe``, ``relayout``).
 
 A :class:`Patch` replaces (or sets) one upstream attribute, ``module.attr``, with what its ``make`` builds from
-the current value, or, for the few changes that are not one attribute (an import hook, a function every module
-imported by name), runs its ``install``. It applies where ``needed()`` says the installed code needs it (a
+the current value; or, for the few changes that are not one attribute (an import hook, a function every module
+imported by name), runs its ``install``; or, where upstream offers an extension point for it, is a ``hook``:
+a model-provider pre-wrap hook (Megatron Bridge's ``ModelProviderMixin.register_pre_wrap_hook``, the row's
+target), which changes nothing upstream and is registered on each provider a run builds from
+(``bridge_ext.patches.register_hooks``). It applies where ``needed()`` says the installed code needs it (a
 capability check: a signature, a call site, a file, a snippet of source; CPU patches: always, once CPU mode is
 on) and fits where its ``snippets`` (code it relies on) still occur in the upstream module, matched by content,
 never by line number: a patch release that moves lines keeps working, a real change is one line naming the
@@ -62,6 +65,7 @@ class Patch:
     has a shape the patch does not know. ``snippets``: code that must still occur in ``module``;
     ``elsewhere``: ``((module, snippets), ...)`` in other modules. ``accepts``: whether the target's current
     value is one ``make`` knows how to replace. ``must_exist``: False when the patch binds a new name.
+    ``hook``: ``hook(model_chunks) -> model_chunks``, a pre-wrap hook instead of a change to upstream.
     """
 
     name: str
@@ -77,16 +81,27 @@ class Patch:
     elsewhere: tuple[tuple[str, tuple[Snippet, ...]], ...] = ()
     make: Callable[[Any], Any] | None = None
     install: Callable[[], None] | None = None
+    hook: Callable[[list[Any]], list[Any]] | None = None
     accepts: Callable[[Any], bool] | None = None
     must_exist: bool = True
 
     def __post_init__(self) -> None:
-        if (self.make is None) == (self.install is None):
-            raise TypeError(f"patch {self.name}: give exactly one of make= and install=")
+        if sum(way is not None for way in (self.make, self.install, self.hook)) != 1:
+            raise TypeError(f"patch {self.name}: give exactly one of make=, install= and hook=")
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.attr}"
+
+    @property
+    def how(self) -> Literal["pre-wrap hook", "source rewrite", "replaces the value", "installs"]:
+        """How the row changes upstream: a source rewrite recompiles upstream code from edited text (the few
+        that have no extension point; docs/patches.md counts them)."""
+        if self.hook is not None:
+            return "pre-wrap hook"
+        if getattr(self.make or self.install, "rewrites_source", False):
+            return "source rewrite"
+        return "replaces the value" if self.make is not None else "installs"
 
 
 def owner_of(module: Any, attr: str) -> Any:
@@ -160,6 +175,7 @@ def rewritten(qualname: str, replacements: tuple[tuple[str, str], ...]) -> Calla
         getattr(new, "__func__", new).__wrapped__ = function
         return new
 
+    make.rewrites_source = True  # type: ignore[attr-defined]  # Patch.how
     return make
 
 

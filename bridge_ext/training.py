@@ -117,6 +117,8 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         callbacks.append(MuonTelemetry(interval=cfg.logger.log_interval))  # also keeps QK-clip's running max
     elif cfg.model.qk_clip:  # QK-clip needs the step's max over every micro-batch, telemetry or not
         callbacks.append(QKClipTracking())
+    # the applied rows' pre-wrap hooks (e.g. tp-weight-attributes-without-init) first: init_by_name reads what they set
+    patches.register_hooks(cfg.model)
     if init == "by-name":
         import functools
 

@@ -41,14 +41,25 @@ TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
 
 def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     """megatron-core's own decoder block spec without Transformer Engine (dense, GQA, QK-norm, MLA, MoE), saving its
-    checkpoints under the keys the Transformer Engine spec uses (:func:`te_checkpoint_keys`)."""
+    checkpoints under the keys the Transformer Engine spec uses (:func:`te_checkpoint_keys`). Without a query
+    low-rank (Moonlight) MLA's ``q_layernorm`` is left out: megatron-core's local spec sets it whenever
+    ``qk_layernorm`` is on, 0.16-0.18 never build it there, and 0.19's ``QKNormConfigResolver`` refuses it."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    def without_unused_q_norm(submodules: Any) -> Any:
+        attention = getattr(submodules, "self_attention", None)
+        inner = getattr(attention, "submodules", None)
+        if getattr(config, "q_lora_rank", 0) is not None or not hasattr(inner, "q_layernorm"):
+            return submodules
+        return dataclasses.replace(submodules, self_attention=dataclasses.replace(
+            attention, submodules=dataclasses.replace(inner, q_layernorm=IdentityOp)))
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     layers = [dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, sharded_state_dict_keys_map=te_checkpoint_keys(spec.submodules)))
+        without_unused_q_norm(spec.submodules), sharded_state_dict_keys_map=te_checkpoint_keys(spec.submodules)))
         for spec in block.layer_specs]  # fmt: skip
     return dataclasses.replace(block, layer_specs=layers)
 

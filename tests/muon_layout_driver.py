@@ -68,6 +68,7 @@ def run_case(case: dict, out: Path) -> None:
     install_preset(recipe.preset)  # as bridge_ext.training.prepare: NS coefficients, gate/up split, MuonClip
     configure_for_cpu(cfg, world_size=dist.get_world_size())
     cfg.validate()
+    patches.register_hooks(cfg.model)  # as bridge_ext.training.prepare: the stack rows' pre-wrap hooks
     torch.manual_seed(0)
     model = cfg.model.provide_distributed_model(ddp_config=cfg.ddp, use_cpu_initialization=True)
     tracker = track_attention_logits(model) if cfg.model.qk_clip else None

@@ -103,6 +103,9 @@ def build_model(bridge: Any, *, cpu: bool, dtype: Any, tp: int = 1, pp: int = 1,
     _apply_layout(provider, tp=tp, pp=pp, ep=ep)
     provider.finalize()
     init_model_parallel(tp=tp, pp=pp, ep=ep, cpu=cpu)
+    from bridge_ext import patches
+
+    patches.register_hooks(provider)  # the applied rows' pre-wrap hooks (bridge_ext.patches)
     return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
 
 

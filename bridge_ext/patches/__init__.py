@@ -13,7 +13,7 @@ of a module in its area (tests/test_patches.py); the code a row puts in place li
   MuonClip, Muon over LoRA adapters (``optimizer_fields``: preset field names the installed megatron-core knows).
 * ``transformer``: megatron-core's attention: QK-clip's known bugs, MLA's latent norms and query as DeepSeek-V3's.
 * ``tensor_parallel``: megatron-core's tensor-parallel layers: the weights' TP attributes without
-  ``perform_initialization`` (megatron-core 0.16-0.17).
+  ``perform_initialization`` (megatron-core 0.16-0.17), set by a pre-wrap hook.
 * ``training``: Megatron Bridge's start-up, scheduler and dry-run validation.
 * ``checkpointing``: kill-safe saves, the checkpoint writer's helper processes, loads across layouts, the
   optimizer's param groups on resume.
@@ -23,6 +23,8 @@ of a module in its area (tests/test_patches.py); the code a row puts in place li
   in ``bridge_ext.cpu.patches``, registered here like every other: this package is the GPU path's deviations.
 
 ``adapters`` holds the stack adapters (which upstream entry point to call; nothing is changed upstream).
+Where upstream offers an extension point, a row uses it instead of changing upstream code: a pre-wrap hook
+(``hook=``, registered on each provider by :func:`register_hooks`), a subclass (``transformer``'s resolver).
 Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, for a new scope, a call of
 :func:`apply` where it must take effect); tests/test_patches.py and docs/patches.md pick it up.
 ``python -m bridge_ext.patches`` prints the table (``--markdown``: docs/patches.md).
@@ -38,13 +40,14 @@ from bridge_ext.patches.registry import (
     apply,
     drift,
     markdown,
+    register_hooks,
     rows,
     table,
     temporarily,
 )
 
 __all__ = ["REGISTRY", "Area", "Patch", "Scope", "applied", "applied_here", "apply", "drift", "markdown", "problems",
-           "rows", "table", "temporarily"]
+           "register_hooks", "rows", "table", "temporarily"]
 
 
 def __getattr__(name: str) -> Any:

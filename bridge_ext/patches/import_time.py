@@ -106,6 +106,9 @@ def _install_te_import_guard() -> None:
         sys.meta_path.insert(0, _TEImportGuard())
 
 
+_install_te_import_guard.rewrites_source = True  # type: ignore[attr-defined]  # the guarded modules' text (Patch.how)
+
+
 def guarded_modules() -> tuple[str, ...]:
     """The modules imported so far whose unguarded TE import the guard replaced."""
     return tuple(_guarded)

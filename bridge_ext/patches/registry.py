@@ -22,8 +22,8 @@ from bridge_ext import patching
 from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
-__all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown", "rows",
-           "table", "temporarily"]
+__all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown",
+           "register_hooks", "rows", "table", "temporarily"]
 
 # One loader per table (function-level imports: the import graph sees them), in REGISTRY's order.
 def _import_time() -> tuple[Patch, ...]:
@@ -144,10 +144,21 @@ def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
     for patch in needed:
         if patch.install is not None:
             patch.install()
-        else:
+        elif patch.make is not None:
             set_value(patch)
-        _applied[patch.name] = patch
+        _applied[patch.name] = patch  # a hook row: registered on each provider by register_hooks
     return tuple(p.name for p in chosen if p.name in _applied)
+
+
+def register_hooks(provider: Any) -> tuple[str, ...]:
+    """Register every applied hook row on ``provider`` (a Megatron Bridge model provider) as a pre-wrap hook, in
+    the order applied; returns their names. Call it once per provider, after applying the run's scopes and before
+    registering hooks that read what these set (``bridge_ext.initialization`` reads the tensor-parallel
+    attributes)."""
+    rows_ = [p for p in _applied.values() if p.hook is not None]
+    for patch in rows_:
+        provider.register_pre_wrap_hook(patch.hook)
+    return tuple(p.name for p in rows_)
 
 
 @contextlib.contextmanager
@@ -160,8 +171,8 @@ def temporarily(scope: Scope) -> Iterator[tuple[str, ...]]:
     restore: list[tuple[Any, str, Any]] = []
     try:
         for patch in needed:
-            if patch.install is not None:
-                raise TypeError(f"patch {patch.name} cannot be undone (install=)")
+            if patch.make is None:
+                raise TypeError(f"patch {patch.name} cannot be undone (install= or hook=)")
             restore.append(set_value(patch))
         yield tuple(p.name for p in needed)
     finally:
@@ -217,7 +228,8 @@ def table() -> list[dict[str, str]]:
         decided = _decide(patch)
         here = "yes" if decided is True else "no" if decided is False else f"drift: {decided}"
         out.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
-                     "upstream": patch.upstream, "condition": patch.when, "why": patch.why, "applies here": here})
+                     "how": patch.how, "upstream": patch.upstream, "condition": patch.when, "why": patch.why,
+                     "applies here": here})
     return out
 
 
@@ -228,6 +240,7 @@ _AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "
 def markdown() -> str:
     """docs/patches.md: every patch by area, its upstream code, condition and whether it applies here."""
     listed = table()
+    rewrites = [row["name"] for row in listed if row["how"] == "source rewrite"]
     lines = [
         "# Every change to upstream behaviour",
         "",
@@ -238,15 +251,24 @@ def markdown() -> str:
         "",
         f"\"Here\": {describe_stack()}.",
         "",
+        "How a row changes upstream (column \"how\"): a pre-wrap hook (Megatron Bridge's model-provider extension "
+        "point: nothing upstream is changed), a replaced value (a wrapper, a subclass, a stand-in), an install "
+        f"(a hook into Python's import system), or a source rewrite. Source rewrites: {len(rewrites)} in all "
+        f"({', '.join(f'`{name}`' for name in rewrites)}), none on the GPU path: each recompiles one upstream "
+        "function from its text with a few exact replacements where no extension point reaches the code (CPU mode's "
+        "CUDA type checks and the layer-wise optimizer's fp32 save, the rehearsal's; the import guard, which binds "
+        "an unguarded module-level import before the module runs).",
+        "",
     ]
     for area in _AREAS:
         mine = [row for row in listed if row["area"] == area]
         if not mine:
             continue
-        lines += [f"## {area} ({len(mine)})", "", "| patch | scope | target | upstream | condition | why | here |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += ["| " + " | ".join(_cell(row[key]) for key in ("name", "scope", "target", "upstream", "condition",
-                                                                 "why", "applies here")) + " |" for row in mine]
+        lines += [f"## {area} ({len(mine)})", "",
+                  "| patch | scope | target | how | upstream | condition | why | here |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(_cell(row[key]) for key in ("name", "scope", "target", "how", "upstream",
+                                                                 "condition", "why", "applies here")) + " |"
+                  for row in mine]
         lines.append("")
     return "\n".join(lines)
 

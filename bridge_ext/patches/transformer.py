@@ -24,10 +24,13 @@ MLA (scopes ``stack`` and ``conversion``; Moonlight's training and conversion):
   megatron-core's MLA normalizes the query and KV latents with the block's ``layernorm_epsilon``; DeepSeek-V3's
   modeling code (transformers' and the releases' own) uses RMSNorm's default 1e-6 there, whatever ``rms_norm_eps``
   says. Equal for DeepSeek-V3 and Kimi K2 (1e-6); Moonlight's 1e-5 would differ.
-* ``mla-q-projection-without-norm`` / ``mla-unused-q-norm`` (both scopes; megatron-core 0.19's
-  ``QKNormConfigResolver``): with ``q_lora_rank`` None (Moonlight) the query comes straight from the block's
-  normalized input, as in DeepSeek-V3's code; 0.19 fuses an extra norm into ``linear_q_proj`` (TE) or refuses the
-  local spec's unused ``q_layernorm`` (CPU).
+* ``mla-q-projection-without-norm`` (both scopes; megatron-core 0.19's ``QKNormConfigResolver``): with
+  ``q_lora_rank`` None (Moonlight) the query comes straight from the block's normalized input, as in DeepSeek-V3's
+  code; 0.19 fuses an extra norm into ``linear_q_proj`` (TE; without TE: no fused class, RuntimeError). MLA's
+  ``_resolve_qk_norm_config`` (upstream's one call of the resolver) uses a subclass of upstream's resolver that
+  keeps the plain linear there; no upstream source is edited. (0.19 also refuses megatron-core's local spec's
+  unused ``q_layernorm`` without a query low-rank: ``bridge_ext.without_te.local_layer_spec``, our spec, leaves it
+  out.)
 
 Layout (tests/test_muon_layouts.py: one Muon step from the same weights on the same batch is the same in every
 layout).
@@ -46,7 +49,7 @@ Patch (scope ``stack``, every run, GPUs too):
   GQA probe, fails or scales other rows than the group's query and key rows (megatron-core 0.16.0 and 0.17.1
   read: fails).
 
-Patch (scope ``stack``: CPU mode, and GPUs without Transformer Engine, where MLA's down-projections are
+Hook (scope ``stack``: CPU mode, and GPUs without Transformer Engine, where MLA's down-projections are
 ``ColumnParallelLinear``):
 
 * ``mla-rope-key-grad-tp``: megatron-core's ``MLASelfAttention.get_query_key_value_tensors``
@@ -55,10 +58,13 @@ Patch (scope ``stack``: CPU mode, and GPUs without Transformer Engine, where MLA
   rank's backward then holds the gradient of its own heads only, and the gather's backward keeps the rank's slice
   of it: the rotary-key rows of ``linear_kv_down_proj`` get a gradient without the other ranks' heads (the Kimi
   K2 proxy at TP2: those rows 6e-3 away from the 1-process step, every earlier layer 1e-5; tests/
-  test_muon_layouts.py). TE's path (``TELinear``, duplicated) gathers ``k_pos_emb`` from the sequence-parallel
-  region, whose backward sums over TP. The recompiled function passes the gathered ``kv_combined``'s rotary
-  columns through an identity whose backward sums the gradient over TP: the gradient of every head. Applies where that branch has no such reduction (megatron-core 0.16.0, 0.17.1, 0.19.2
-  read).
+  test_muon_layouts.py). TE's path (``TELinear``, duplicated: full-width output) gathers ``k_pos_emb`` from the
+  sequence-parallel region, whose backward sums over TP. A pre-wrap hook puts a forward hook on each such
+  ``linear_kv_down_proj`` (nothing upstream is changed): its output gathered over TP there, the rotary columns
+  through an identity whose backward sums the gradient over TP (with sequence parallelism: scattered back to the
+  sequence-parallel region instead, where upstream's own gather of ``k_pos_emb`` sums it), so upstream takes its
+  full-width branch. Applies where the shard branch has no such reduction (megatron-core 0.16.0, 0.17.1, 0.19.2
+  read). Until 2026-12-06 the row recompiled ``get_query_key_value_tensors``.
 
 Layout-dependent settings that are not upstream bugs are the presets' and the launch checks' (``bridge_ext.muon.
 checks.launch_problems``): the presets pin ``optimizer.muon_tp_mode=duplicated`` (``blockwise`` orthogonalizes each
@@ -78,11 +84,12 @@ from typing import Any
 
 from bridge_ext.muon.checks import nonpositive_logit_nans
 from bridge_ext.muon.clip import floored_clip_qk
-from bridge_ext.patching import Area, Patch, rewrite
+from bridge_ext.patching import Area, Patch
 from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["AREA", "HF_LATENT_NORM_EPS", "PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard",
-           "k_rope_grad_summed", "rope_key_grad_unreduced", "use_hf_latent_norm_eps"]
+           "gather_kv_down_proj_with_rope_grad_summed", "k_rope_grad_summed", "rope_key_grad_unreduced",
+           "use_hf_latent_norm_eps"]
 
 AREA: Area = "transformer"
 
@@ -171,7 +178,6 @@ _LATENT_NORM_EPS = dict(
 # MLASelfAttention builds linear_q_proj from the spec and no q_layernorm without q_lora_rank).
 _QK_NORM_RESOLVER = "megatron.core.transformer.mla_qk_norm_config"
 _FUSED_Q_PROJ = "linear_q_proj_cls = self._mla_fused_linear_or_default("
-_UNUSED_Q_NORM = "self._raise_unused_q_norm()"
 
 
 def _resolver_has(code: str) -> Callable[[], bool]:
@@ -184,33 +190,54 @@ def _resolver_has(code: str) -> Callable[[], bool]:
     return needed
 
 
-def _q_without_lora(scope: str, suffix: str) -> tuple[Patch, ...]:
-    upstream = "megatron/core/transformer/mla_qk_norm_config.py QKNormConfigResolver (megatron-core 0.19)"
-    return (
-        *rewrite(
-            f"mla-q-projection-without-norm{suffix}", _QK_NORM_RESOLVER,
-            "QKNormConfigResolver._resolve_mla_qk_layernorm",
-            ((_FUSED_Q_PROJ, "linear_q_proj_cls = self._non_fused_or_default("),),
-            area=AREA, scope=scope, upstream=upstream, needed=_resolver_has(_FUSED_Q_PROJ),
-            why="with q_lora_rank None (Moonlight) linear_q_proj becomes a fused norm+linear: a second RMSNorm with "
-                "its own weight on the already normalized input, which DeepSeek-V3's q_proj does not have (and no "
-                "HF tensor maps to); the spec's plain linear is kept",
-            when="where the resolver fuses a norm into linear_q_proj without a query low-rank (megatron-core 0.19)"),
-        *rewrite(
-            f"mla-unused-q-norm{suffix}", _QK_NORM_RESOLVER, "QKNormConfigResolver._reject_common_spec_conflicts",
-            ((_UNUSED_Q_NORM, "pass  # bridge_ext: not built without q_lora_rank, as in megatron-core <= 0.18"),),
-            area=AREA, scope=scope, upstream=upstream, needed=_resolver_has(_UNUSED_Q_NORM),
-            why="megatron-core's own local (CPU) MLA spec sets q_layernorm whenever qk_layernorm is on, and the "
-                "resolver refuses it when q_lora_rank is None: a Moonlight-shaped model cannot be built without TE",
-            when="where the resolver refuses an unused q_layernorm (megatron-core 0.19)"),
+@functools.cache
+def _plain_q_projection_resolver() -> type:
+    """megatron-core 0.19's ``QKNormConfigResolver``, subclassed: without a query low-rank, ``linear_q_proj`` stays
+    a plain linear (the spec's, or the backend's where the spec names the fused one), as megatron-core 0.16-0.18
+    build it and DeepSeek-V3's ``q_proj`` is; every other decision is upstream's."""
+    base = importlib.import_module(_QK_NORM_RESOLVER).QKNormConfigResolver
+
+    class PlainQProjectionResolver(base):  # type: ignore[misc, valid-type]
+        def _mla_fused_linear_or_default(self, module_spec: Any, module_name: str) -> Any:
+            if module_name != "linear_q_proj":
+                return super()._mla_fused_linear_or_default(module_spec, module_name)
+            plain = self.linear_impl if module_spec is None or self._is_fused_norm_linear(module_spec) else module_spec
+            return self._non_fused_or_default(plain, module_name)
+
+    return PlainQProjectionResolver
+
+
+def _resolving_with_plain_q_projection(old: Any) -> Any:
+    def _resolve_qk_norm_config(self: Any, submodules: Any) -> Any:
+        return _plain_q_projection_resolver()(self.config, submodules).resolve()
+
+    _resolve_qk_norm_config._bridge_ext_original = old  # type: ignore[attr-defined]
+    return _resolve_qk_norm_config
+
+
+def _q_without_lora(scope: str, suffix: str) -> Patch:
+    return Patch(
+        name=f"mla-q-projection-without-norm{suffix}", area=AREA, scope=scope, module=_MLA,
+        attr="MLASelfAttention._resolve_qk_norm_config",
+        upstream="megatron/core/transformer/mla_qk_norm_config.py QKNormConfigResolver._resolve_mla_qk_layernorm "
+                 "(megatron-core 0.19), called by MLASelfAttention._resolve_qk_norm_config",
+        why="with q_lora_rank None (Moonlight) linear_q_proj becomes a fused norm+linear: a second RMSNorm with its "
+            "own weight on the already normalized input, which DeepSeek-V3's q_proj does not have (and no HF tensor "
+            "maps to); MLA resolves with a subclass of upstream's resolver that keeps a plain linear there",
+        when="where the resolver fuses a norm into linear_q_proj without a query low-rank (megatron-core 0.19)",
+        needed=_resolver_has(_FUSED_Q_PROJ),
+        snippets=("return QKNormConfigResolver(self.config, submodules).resolve()",),
+        elsewhere=((_QK_NORM_RESOLVER, (_FUSED_Q_PROJ, "def _mla_fused_linear_or_default(self, module_spec, "
+                                        "module_name):", "def _non_fused_or_default(self, module_spec, module_name):",
+                                        "self.linear_impl = ")),),
+        accepts=callable,  # upstream's, or ours (the other scope's row applied first: the same change again)
+        make=_resolving_with_plain_q_projection,
     )
 
 
 _GQA = "megatron.core.transformer.attention"
 _MLA = "megatron.core.transformer.multi_latent_attention"
 _GATHER = "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)"
-_SUMMED = ("kv_combined = _bridge_ext_k_rope_grad_summed(gather_from_tensor_model_parallel_region(kv_combined), "
-           "self.config.kv_lora_rank, self.tp_group)")
 
 
 @functools.cache
@@ -253,15 +280,52 @@ def rope_key_grad_unreduced() -> bool:
     (the ``ColumnParallelLinear`` branch) and splits off ``k_pos_emb`` without reducing its gradient over TP."""
     import inspect
 
-    cls = importlib.import_module(_MLA).MLASelfAttention
-    function = cls.__dict__.get("get_query_key_value_tensors")
-    function = getattr(function, "__wrapped__", function)  # our recompiled one keeps upstream's as __wrapped__
-    source = inspect.getsource(function)
+    source = inspect.getsource(importlib.import_module(_MLA).MLASelfAttention.get_query_key_value_tensors)
     if _GATHER not in source:
         return False
     branch = source.split(_GATHER, 1)[1].split("else:", 1)[0]
     return "k_pos_emb" in branch and "copy_to_tensor_model_parallel_region" not in branch \
         and "reduce_from_tensor_model_parallel_region" not in branch
+
+
+def _gathered_with_rope_grad_summed(attention: Any) -> Callable[..., Any]:
+    """A forward hook for ``attention.linear_kv_down_proj``: a TP shard of ``kv_combined`` (``[s, b, (latent +
+    rope) / TP]``) comes out whole, its rotary columns' gradient summed over TP; with sequence parallelism it is
+    scattered back to ``[s / TP, b, latent + rope]``, the shape upstream's full-width branch takes, where its own
+    gather of ``k_pos_emb`` from the sequence-parallel region sums that gradient."""
+    config = attention.config
+
+    def hook(module: Any, inputs: Any, output: Any) -> Any:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        kv_combined, bias = output
+        if kv_combined.size(-1) == config.kv_lora_rank + config.qk_pos_emb_head_dim:
+            return output
+        whole = gather_from_tensor_model_parallel_region(kv_combined, group=attention.tp_group)
+        if config.sequence_parallel:
+            return scatter_to_sequence_parallel_region(whole, group=attention.tp_group), bias
+        return k_rope_grad_summed(whole, config.kv_lora_rank, attention.tp_group), bias
+
+    return hook
+
+
+def gather_kv_down_proj_with_rope_grad_summed(model: list[Any]) -> list[Any]:
+    """Pre-wrap hook: every ``MLASelfAttention`` of ``model`` whose ``linear_kv_down_proj`` is a
+    ``ColumnParallelLinear`` (TP-sharded output) gets :func:`_gathered_with_rope_grad_summed` on it, at TP > 1."""
+    import torch
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    mla = importlib.import_module(_MLA).MLASelfAttention
+    for chunk in model:
+        for module in chunk.modules():
+            down = getattr(module, "linear_kv_down_proj", None)
+            if isinstance(module, mla) and isinstance(down, ColumnParallelLinear) \
+                    and torch.distributed.get_world_size(module.tp_group) > 1:
+                down.register_forward_hook(_gathered_with_rope_grad_summed(module))
+    return model
 
 
 def clip_linear_qkv_per_group(self: Any, weight: Any) -> Any:
@@ -352,21 +416,21 @@ PATCHES: tuple[Patch, ...] = (
     _clip_patch("gqa", "megatron.core.transformer.attention", "SelfAttention", "attention.py"),
     Patch(name="mla-latent-norm-eps", scope="stack", **_LATENT_NORM_EPS),
     Patch(name="mla-latent-norm-eps (conversion)", scope="conversion", **_LATENT_NORM_EPS),
-    *_q_without_lora("stack", ""),
-    *_q_without_lora("conversion", " (conversion)"),
-    *rewrite(
-        "mla-rope-key-grad-tp", _MLA, "MLASelfAttention.get_query_key_value_tensors", ((_GATHER, _SUMMED),),
-        area=AREA, scope="stack",
+    _q_without_lora("stack", ""),
+    _q_without_lora("conversion", " (conversion)"),
+    Patch(
+        name="mla-rope-key-grad-tp", area=AREA, scope="stack",
+        module="megatron.bridge.models.model_provider", attr="ModelProviderMixin.register_pre_wrap_hook",
         upstream="megatron/core/transformer/multi_latent_attention.py MLASelfAttention.get_query_key_value_tensors",
         why="with linear_kv_down_proj a ColumnParallelLinear (no TE) and TP > 1 the shared rotary key's gradient "
             "keeps only this rank's heads: linear_kv_down_proj's rotary rows get another gradient at every TP size; "
-            "summed over TP",
+            "a pre-wrap hook gathers that projection's output with the rotary gradient summed over TP",
         when="the ColumnParallelLinear branch splits k_pos_emb off the TP-gathered kv_combined without reducing "
              "its gradient over TP",
-        helpers={"_bridge_ext_k_rope_grad_summed": (
-            k_rope_grad_summed, "the rotary key's gradient summed over TP; called by the recompiled function")},
-        also_expects=("k_pos_emb",),
         needed=rope_key_grad_unreduced,
+        elsewhere=((_MLA, (_GATHER, "k_pos_emb", "get_pg_size(self.tp_group) > 1 and self.config.sequence_parallel",
+                           "gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)")),),
+        hook=gather_kv_down_proj_with_rope_grad_summed,
     ),
     Patch(
         name="qk-clip-gqa-tp-shapes", area=AREA, scope="stack", module=_GQA,

@@ -26,7 +26,7 @@ REHEARSAL_MODEL_SETTINGS: dict[str, Any] = {
     "use_cpu_initialization": True,
     # values do not change what is allocated; the weights' tensor-parallel attributes (partition_dim, which
     # Muon's duplicated TP mode needs) are set without initialization too: upstream from megatron-core 0.18,
-    # the stack patch tp-weight-attributes-without-init before (bridge_ext/patches/tensor_parallel.py)
+    # the stack row tp-weight-attributes-without-init's pre-wrap hook before (bridge_ext/patches/tensor_parallel.py)
     "perform_initialization": False,
     "init_model_with_meta_device": False,
     "cuda_graph_impl": "none",
@@ -92,7 +92,10 @@ def build_rank(cfg: Any, *, use_cpu_initialization: bool) -> tuple[list[Any], An
     builder rewrites the optimizer config it is given."""
     from megatron.bridge.training.optim import setup_optimizer
 
+    from bridge_ext import patches
+
     cfg = copy.deepcopy(cfg)
+    patches.register_hooks(cfg.model)  # the applied rows' pre-wrap hooks (tensor-parallel attributes without init)
     model = cfg.model.provide_distributed_model(
         ddp_config=cfg.ddp, use_megatron_fsdp=False, use_torch_fsdp2=False,
         overlap_param_gather_with_optimizer_step=False,

@@ -7,12 +7,13 @@ conversion under TP > 1. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
-from bridge_ext.cpu.patches.redirect import real_torch
-from bridge_ext.patching import Patch, rewrite
-from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, torch_proxy
+from bridge_ext.patching import Patch, one_of, rewrite
+from bridge_ext.stack import module_source
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]
 
@@ -49,29 +50,13 @@ _DISTRIB_OPTIMIZER_TYPES = (
 )
 
 # layer_wise_optimizer.py (dist_muon): `allgather_params` all-gathers each rank's flattened parameters, whose
-# sizes differ (an all_gather_v); gloo requires equal sizes. Every rank pads to the largest and trims.
-# megatron-core 0.16 pads nothing into `output_list`; 0.19 (`_allgather_helper`) into per-rank `gather_list`
-# buffers of the actual sizes ("PyTorch's NCCL backend handles uneven sizes"): one rewrite per form.
-_LAYER_WISE_ALLGATHER = (
-    ("torch.distributed.all_gather(output_list, src, group=group)",
-     "_bridge_ext_all_gather_v(output_list, src, group)"),
-)
-_LAYER_WISE_ALLGATHER_HELPER = (
-    ("torch.distributed.all_gather(gather_list, src, group=group)",
-     "_bridge_ext_all_gather_v(gather_list, src, group)"),
-)
+# sizes differ (an all_gather_v); gloo requires equal sizes. megatron-core 0.16 gathers into `output_list`, 0.19
+# (`_allgather_helper`) into per-rank `gather_list` buffers of the actual sizes ("PyTorch's NCCL backend handles
+# uneven sizes"). The module's `torch` becomes CPU mode's stand-in, whose `distributed.all_gather` pads uneven
+# sizes to the largest and trims (redirect.DistributedOnCPU.all_gather).
 _LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
-
-
-def _all_gather_form(replacements: tuple[tuple[str, str], ...]) -> bool:
-    """Whether the installed ``allgather_params`` has this form's all-gather; drift when it has neither. Read
-    from the module's file: once applied, the method is the recompiled one."""
-    source = module_source(_LAYER_WISE)
-    forms = (_LAYER_WISE_ALLGATHER, _LAYER_WISE_ALLGATHER_HELPER)
-    if not any(form[0][0] in source for form in forms):
-        raise UpstreamDrift(f"{package_of(_LAYER_WISE)}: LayerWiseDistributedOptimizer.allgather_params has none "
-                            "of the all-gathers CPU mode pads (bridge_ext.cpu.patches.distributed)")
-    return replacements[0][0] in source
+_LAYER_WISE_ALLGATHER = one_of("torch.distributed.all_gather(output_list, src, group=group)",
+                               "torch.distributed.all_gather(gather_list, src, group=group)")
 
 # layer_wise_optimizer.py `sharded_state_dict` (torch_dist save) reads sd['optimizer'] for every chained
 # member, which only mixed-precision members have; an fp32 member (FP32Optimizer) is the torch optimizer's
@@ -92,13 +77,24 @@ _LAYER_WISE_SAVE = (
 
 
 # transformer/torch_norm.py: the local spec's norms (no Apex, no TE) refuse sequence parallelism (`WrappedTorchNorm`,
-# megatron-core 0.16 line 32). Their weights only need what TE's and Apex's norms do: the `sequence_parallel`
-# flag, so that finalize_model_grads sums their gradients over the tensor-parallel ranks.
-_TORCH_NORM_SEQUENCE_PARALLEL = (
-    ('assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"', ""),
-    ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
-     "return _bridge_ext_sequence_parallel_norm(norm_cls(normalized_shape=hidden_size, eps=eps), config)"),
-)
+# megatron-core 0.16 line 32: an assert). Their weights only need what TE's and Apex's norms do: the
+# `sequence_parallel` flag, so that finalize_model_grads sums their gradients over the tensor-parallel ranks. The
+# norm is built by upstream's __new__ from a copy of the config without the flag, then its parameters are flagged.
+_TORCH_NORM_SEQUENCE_PARALLEL = 'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"'
+
+
+def _sequence_parallel_norms(old: Any) -> Any:
+    new = getattr(old, "__func__", old)
+
+    def __new__(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(config, "sequence_parallel", False):
+            return new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)  # a shallow copy: no __post_init__ checks
+        plain.sequence_parallel = False
+        return _sequence_parallel_norm(new(cls, plain, *args, **kwargs), config)
+
+    __new__._bridge_ext_original = new  # type: ignore[attr-defined]
+    return staticmethod(__new__)
 
 
 # layer_wise_optimizer.py `LayerWiseDistributedOptimizer.__init__` (megatron-core 0.19) wraps its base torch
@@ -132,18 +128,6 @@ def _sequence_parallel_norm(norm: Any, config: Any) -> Any:
     return norm
 
 
-def _all_gather_v(output_list: list, src: Any, group: Any) -> None:
-    """``all_gather`` of tensors of different sizes over gloo: pad to the largest, gather, copy back."""
-    torch = real_torch()
-    size = max(t.numel() for t in output_list)
-    padded = [torch.empty(size, dtype=src.dtype, device=src.device) for _ in output_list]
-    source = torch.zeros(size, dtype=src.dtype, device=src.device)
-    source[: src.numel()] = src
-    torch.distributed.all_gather(padded, source, group=group)
-    for out, got in zip(output_list, padded):
-        out.copy_(got[: out.numel()])
-
-
 _CPU: dict[str, Any] = {"area": "cpu", "scope": "cpu", "when": "CPU mode"}
 
 PATCHES: tuple[Patch, ...] = (
@@ -154,29 +138,16 @@ PATCHES: tuple[Patch, ...] = (
         **_CPU, why="the distributed optimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError for CPU fp32 "
         "ones); recompiled with the CPU type names",
     ),
-    *rewrite(
-        "layer-wise-all-gather-v", "megatron.core.optimizer.layer_wise_optimizer",
-        "LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER,
-        upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.allgather_params",
-        **{**_CPU, "when": "CPU mode, where allgather_params all-gathers into output_list (megatron-core 0.16)"},
-        why="dist_muon all-gathers parameter shards of different sizes per rank; gloo needs equal sizes "
-        "(RuntimeError); padded to the largest",
-        helpers={"_bridge_ext_all_gather_v": (
-            _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
-        needed=lambda: _all_gather_form(_LAYER_WISE_ALLGATHER),
-    ),
-    *rewrite(
-        "layer-wise-all-gather-v (per-rank buffers)", "megatron.core.optimizer.layer_wise_optimizer",
-        "LayerWiseDistributedOptimizer.allgather_params", _LAYER_WISE_ALLGATHER_HELPER,
+    Patch(
+        name="layer-wise-all-gather-v", module=_LAYER_WISE, attr="torch",
         upstream="megatron/core/optimizer/layer_wise_optimizer.py LayerWiseDistributedOptimizer.allgather_params "
-                 "(_allgather_helper)",
-        **{**_CPU, "when": "CPU mode, where allgather_params all-gathers into per-rank buffers of their own sizes "
-                           "(megatron-core 0.19)"},
-        why="dist_muon all-gathers parameter shards of different sizes per rank (NCCL accepts them); gloo needs "
-        "equal sizes (RuntimeError); padded to the largest",
-        helpers={"_bridge_ext_all_gather_v": (
-            _all_gather_v, "the padded all-gather the layer-wise optimizer's recompiled allgather_params calls")},
-        needed=lambda: _all_gather_form(_LAYER_WISE_ALLGATHER_HELPER),
+                 "(0.16: into output_list; 0.19 _allgather_helper: into per-rank buffers of their own sizes)",
+        **_CPU, why="dist_muon all-gathers parameter shards of different sizes per rank (NCCL accepts them); gloo "
+        "needs equal sizes (RuntimeError); the module's torch is CPU mode's stand-in, whose all_gather pads "
+        "uneven sizes to the largest",
+        snippets=(_LAYER_WISE_ALLGATHER,),
+        accepts=lambda value: value is real_torch() or isinstance(value, TorchOnCPU),
+        make=lambda old: torch_proxy(False),
     ),
     Patch(
         name="layer-wise-fp32-members", module=_LAYER_WISE, attr="LayerWiseDistributedOptimizer.__init__",
@@ -200,14 +171,14 @@ PATCHES: tuple[Patch, ...] = (
         "one data-parallel rank spreads nothing (TP2 ETP1: invalid access pattern)",
         also_expects=("if not sd['optimizer']['state']:",),
     ),
-    *rewrite(
-        "torch-norm-sequence-parallel", "megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
-        _TORCH_NORM_SEQUENCE_PARALLEL,
-        upstream="megatron/core/transformer/torch_norm.py WrappedTorchNorm.__new__",
-        **_CPU, why="the local spec's torch norms assert no sequence parallelism (TP layouts turn it on); with their "
-        "weights flagged `sequence_parallel`, finalize_model_grads sums their gradients over TP as for TE's",
-        helpers={"_bridge_ext_sequence_parallel_norm": (
-            _sequence_parallel_norm,
-            "flags the norm's parameters for sequence parallelism; called by the recompiled WrappedTorchNorm")},
+    Patch(
+        name="torch-norm-sequence-parallel", module="megatron.core.transformer.torch_norm",
+        attr="WrappedTorchNorm.__new__", upstream="megatron/core/transformer/torch_norm.py WrappedTorchNorm.__new__",
+        **_CPU, why="the local spec's torch norms assert no sequence parallelism (TP layouts turn it on); built from "
+        "a copy of the config without it, with their weights flagged `sequence_parallel`, finalize_model_grads "
+        "sums their gradients over TP as for TE's",
+        snippets=(_TORCH_NORM_SEQUENCE_PARALLEL,),
+        accepts=lambda value: not hasattr(getattr(value, "__func__", value), "_bridge_ext_original"),
+        make=_sequence_parallel_norms,
     ),
 )

@@ -189,6 +189,26 @@ class DistributedOnCPU:
             scatter_list = [t.contiguous() for t in scatter_list]
         return real_torch().distributed.scatter(tensor, scatter_list, *args, **kwargs)
 
+    @staticmethod
+    def all_gather(tensor_list: list, tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+        """gloo's all_gather needs one size on every rank (RuntimeError); NCCL takes uneven ones, which
+        megatron-core's layer-wise optimizer (``dist_muon``) relies on. Uneven ones are padded to the largest and
+        trimmed; even ones go to torch as they are."""
+        torch = real_torch()
+        sizes = {t.numel() for t in tensor_list}
+        if len(sizes) <= 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("CPU mode: an asynchronous all_gather of uneven sizes")
+        size = max(sizes)
+        padded = [torch.empty(size, dtype=tensor.dtype, device=tensor.device) for _ in tensor_list]
+        source = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
+        source[: tensor.numel()] = tensor.reshape(-1)
+        torch.distributed.all_gather(padded, source, group=group)
+        for out, got in zip(tensor_list, padded):
+            out.copy_(got[: out.numel()].view_as(out))
+        return None
+
 
 _FACTORIES = frozenset(
     {
