@@ -571,3 +571,30 @@ def test_source_rewrites_are_few_and_none_is_on_the_gpu_path():
                for p in rewrites.values()), sorted(rewrites)
     text = (REPO / "docs" / "patches.md").read_text()
     assert f"Source rewrites: {len(rewrites)} in all" in text
+
+
+@pytest.mark.once  # the same table on every stack
+def test_every_row_names_the_test_that_proves_it_and_where_it_was_reported():
+    """bridge_ext/patches/evidence.py: each row's proving test exists (tests/prove_patches.py runs it with the row
+    off), and each row says where its bug was reported upstream, or that it was not."""
+    import re
+
+    from bridge_ext.patches import evidence
+
+    assert set(evidence.PROVEN_BY) <= {p.name for p in patches.REGISTRY}, "evidence for a row that does not exist"
+    for patch in patches.REGISTRY:
+        test = evidence.proven_by(patch.name)
+        assert test, f"{patch.name}: no proving test in bridge_ext/patches/evidence.py"
+        path, function = test.split("::")
+        source = (REPO / path).read_text()
+        assert re.search(rf"^def {re.escape(function)}\(", source, re.MULTILINE), test
+        assert evidence.reported(patch.name)
+
+
+def test_a_switched_off_row_is_not_applied(monkeypatch):
+    """BRIDGE_EXT_PATCHES_OFF leaves the named rows out of apply (how tests/prove_patches.py shows a row needed)."""
+    from bridge_ext.patches.registry import SWITCH_OFF_ENV
+
+    monkeypatch.setattr(registry, "REGISTRY", (_fake("off-row", scope="stack", make=lambda old: "patched"),))
+    monkeypatch.setenv(SWITCH_OFF_ENV, "other, off-row")
+    assert patches.apply("stack") == ()

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from bridge_ext import patching
+from bridge_ext.patches import evidence
 from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
 __all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown",
-           "register_hooks", "rows", "table", "temporarily"]
+           "register_hooks", "rows", "switched_off", "table", "temporarily"]
 
 # One loader per table (function-level imports: the import graph sees them), in REGISTRY's order.
 def _import_time() -> tuple[Patch, ...]:
@@ -125,6 +127,14 @@ _WHAT: dict[str, str] = {"cpu": "CPU mode", "stack": "the stack fixes", "muon": 
 
 _applied: dict[str, Patch] = {}
 
+# Rows a process runs without, to see whether a row is still needed (tests/prove_patches.py, docs/patches.md).
+SWITCH_OFF_ENV = "BRIDGE_EXT_PATCHES_OFF"
+
+
+def switched_off() -> frozenset[str]:
+    """The rows named in ``BRIDGE_EXT_PATCHES_OFF`` (comma-separated): :func:`apply` leaves them out."""
+    return frozenset(n.strip() for n in os.environ.get(SWITCH_OFF_ENV, "").split(",") if n.strip())
+
 
 def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
     """Apply the scope's patches (``only``: those named) that the installed code needs; returns their names.
@@ -135,7 +145,7 @@ def apply(scope: Scope, *, only: Collection[str] = ()) -> tuple[str, ...]:
     chosen = [p for p in rows(scope) if not only or p.name in only]
     if only and len(chosen) != len(set(only)):
         raise KeyError(f"no {scope} patch named {sorted(set(only) - {p.name for p in chosen})}")
-    pending = [p for p in chosen if p.name not in _applied]
+    pending = [p for p in chosen if p.name not in _applied and p.name not in switched_off()]
     needed = [p for p in pending if p.needed()]  # decide every one before changing anything
     found = [line for p in needed for line in problems(p)]
     if found:
@@ -229,7 +239,8 @@ def table() -> list[dict[str, str]]:
         here = "yes" if decided is True else "no" if decided is False else f"drift: {decided}"
         out.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
                      "how": patch.how, "upstream": patch.upstream, "condition": patch.when, "why": patch.why,
-                     "applies here": here})
+                     "applies here": here, "proven by": evidence.proven_by(patch.name) or "",
+                     "reported": evidence.reported(patch.name)})
     return out
 
 
@@ -259,15 +270,23 @@ def markdown() -> str:
         "CUDA type checks and the layer-wise optimizer's fp32 save, the rehearsal's; the import guard, which binds "
         "an unguarded module-level import before the module runs).",
         "",
+        "\"Proven by\": the test that fails where the row applies once the row is switched off "
+        f"(`{SWITCH_OFF_ENV}=<name>[,<name>...]`: a process leaves those rows out); `python tests/prove_patches.py "
+        "[NAME ...]` runs each applying row's test so and lists the rows whose test still passes (upstream fixed "
+        "it, or the test does not reach it). \"Reported\": the upstream issue or pull request, the release from "
+        "which upstream no longer needs it, or \"not reported\" (the fixes still to send upstream).",
+        "",
     ]
     for area in _AREAS:
         mine = [row for row in listed if row["area"] == area]
         if not mine:
             continue
         lines += [f"## {area} ({len(mine)})", "",
-                  "| patch | scope | target | how | upstream | condition | why | here |", "|---|---|---|---|---|---|---|---|"]
+                  "| patch | scope | target | how | upstream | condition | why | here | proven by | reported |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         lines += ["| " + " | ".join(_cell(row[key]) for key in ("name", "scope", "target", "how", "upstream",
-                                                                 "condition", "why", "applies here")) + " |"
+                                                                 "condition", "why", "applies here", "proven by",
+                                                                 "reported")) + " |"
                   for row in mine]
         lines.append("")
     return "\n".join(lines)

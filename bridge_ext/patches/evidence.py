@@ -1,0 +1,140 @@
+"""What proves each patch row is needed, and where its bug was reported upstream (docs/patches.md's last columns).
+
+:data:`PROVEN_BY`: the test that fails on a stack where the row applies once the row is switched off
+(``BRIDGE_EXT_PATCHES_OFF=<name>``, :func:`bridge_ext.patches.registry.switched_off`): the bug it works around,
+reproduced. ``python tests/prove_patches.py`` runs each applying row's test with the row off and reports the rows
+whose test still passes (upstream fixed the bug, or the test does not reach it). :data:`REPORTED`: the upstream
+issue or pull request, or "not reported" (the fixes to send upstream). Rows of CPU mode's CUDA redirects
+(``cuda-on-cpu <module>``) are proven by the CPU run that reaches their module (:func:`proven_by`).
+
+tests/test_patches.py checks that every row has both.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PROVEN_BY", "REPORTED", "proven_by", "reported"]
+
+_TRAIN = "tests/test_cpu_training.py::test_pretrain_muon_decreases_loss"
+_RESUME = "tests/test_cpu_training.py::test_resume_is_bit_exact"
+_MODELS = "tests/test_cpu_mode.py::test_models_build_forward_and_backward"
+_LAYOUTS = "tests/test_muon_layouts.py::test_one_muon_step_is_the_same_in_every_layout"
+_PARALLEL = "tests/test_parallel_cpu.py::test_several_processes_compute_what_one_does_and_resume_in_any_layout"
+_LAYER_WISE = ("tests/test_upstream_muon_bugs.py::"
+               "test_layer_wise_muon_resumes_as_the_straight_run_and_loads_overridden_groups_under_pp")
+_LEAKS = "tests/test_cpu_mode.py::test_training_runs_in_one_process_free_their_models_and_compile_nothing"
+_KILLS = "tests/test_kill_safe.py::test_killed_at_every_stage_of_a_save_resumes_exactly"
+_REHEARSE = "tests/test_rehearse.py::test_kimi_k2_last_rank_layer_wise_muon_equals_plan"
+_KIMI_EXPORT = "tests/test_convert.py::test_kimi_export_reproduces_config_and_loads_into_deepseek_v3"
+_MOONLIGHT_HF = "tests/test_moonlight.py::test_hf_round_trip_and_recipe_cycle_without_remote_code"
+_SPLIT = "tests/test_muon_split.py::test_split_gate_up_matches_moonlight_on_the_hf_weights"
+_NS = "tests/test_same_run_across_stacks.py::test_ns_coefficients_that_run"
+_NONPOSITIVE = "tests/test_upstream_muon_bugs.py::test_qk_clip_leaves_a_head_with_a_nonpositive_max_logit_untouched"
+
+PROVEN_BY: dict[str, str] = {
+    "te-import-guard": "tests/test_cpu_mode.py::test_te_import_guard_keeps_te_absent",
+    "peft-have-te": "tests/test_finetune.py::test_lora_trains_only_adapters_and_merged_export_matches_megatron",
+    "muon-nesterov-kwarg": _NS,
+    "muon-tp-mode-kwarg": _NS,
+    "muon-ns-coefficients": _NS,
+    "muon-ns-coefficients (emerging_optimizers)": _NS,
+    "muon-gate-up-params": _SPLIT,
+    "muon-gate-up-split": _SPLIT,
+    "muon-gate-up-split (emerging_optimizers)": _SPLIT,
+    "muon-clip-any-wrapper": "tests/test_muon.py::test_qk_clip_brings_forced_heads_to_the_threshold",
+    "muon-lora-no-empty-adam": "tests/test_finetune.py::test_lora_trains_only_adapters_and_merged_export_matches_megatron",
+    "muon-coefficient-types": _NS,
+    "qk-clip-nonpositive-logit-mla": _NONPOSITIVE,
+    "qk-clip-nonpositive-logit-gqa": _NONPOSITIVE,
+    "mla-latent-norm-eps": _MOONLIGHT_HF,
+    "mla-latent-norm-eps (conversion)": _MOONLIGHT_HF,
+    "mla-q-projection-without-norm": _MODELS,
+    "mla-q-projection-without-norm (conversion)": _MOONLIGHT_HF,
+    "mla-rope-key-grad-tp": _LAYOUTS,
+    "qk-clip-gqa-tp-shapes": "tests/test_muon_layouts.py::test_qk_clip_at_tp2_scales_each_query_group_as_one_process_does",
+    "tp-weight-attributes-without-init": ("tests/test_tp_weight_attributes.py::"
+                                          "test_the_hook_is_registered_exactly_where_the_installed_code_needs_it"),
+    "prebuilt-dataset-helpers": "tests/test_data.py::test_corpus_builds_a_readable_indexed_dataset",
+    "scheduler-warmup-cap": "tests/test_muon.py::test_kimi_k2_schedule_shape_on_1000_iterations",
+    "validate-without-gpu": "tests/test_cpu_mode.py::test_validation_without_gpu_turns_off_only_te_kernel_flags",
+    "yaml-signal-target": "tests/test_override_walk.py::test_the_walk_of_optimizer_lr_visits_each_file_once",
+    "training-log-attention-logit": "tests/test_muon.py::test_pretrain_with_kimi_k2_preset_logs_telemetry",
+    "sft-batches-in-dataset-order": "tests/test_finetune.py::test_finetuning_loaders_read_the_records_in_dataset_order",
+    "sft-epochs-after-resume-from-the-start": "tests/test_finetune.py::test_sft_eval_loss_falls_and_resume_is_bit_exact",
+    "manual-gc-restored": _LEAKS,
+    "ddp-hook-cycle": _LEAKS,
+    "atomic-checkpoint-save": _KILLS,
+    "checkpoint-writer-dies-with-trainer": _KILLS,
+    "checkpoint-writer-dies-with-trainer (get_write_results_queue)": _KILLS,
+    "relayout-optimizer-load": _PARALLEL,
+    "param-group-identity": _LAYER_WISE,
+    "deepseek-sequential-expert-mappings": _KIMI_EXPORT,
+    "kimi-k2-bridge-mappings": _KIMI_EXPORT,
+    "sequential-expert-export": _KIMI_EXPORT,
+    "sequential-expert-numbers": "tests/test_convert_distributed.py::test_two_process_conversions_equal_one_process",
+    "slurm-without-container": "tests/test_slurm.py::test_a_script_without_a_container_has_no_pyxis_flags",
+    # CPU mode
+    "jit-warmup": _TRAIN,
+    "router-expert-bias-eager": _TRAIN,
+    "clip-grads-fp32-check": _TRAIN,
+    "clip-grads-fp32-check (imported name)": _TRAIN,
+    "mla-have-te": _TRAIN,
+    "rng-get": _TRAIN,
+    "rng-set": _TRAIN,
+    "moe-te-general-gemm": _TRAIN,
+    "mla-core-attention": _TRAIN,
+    "tensor-cuda-stays-on-cpu": _TRAIN,
+    "distrib-optimizer-cpu-types": _PARALLEL,
+    "layer-wise-all-gather-v": _LAYER_WISE,
+    "layer-wise-fp32-members": _LAYER_WISE,
+    "layer-wise-fp32-save": _LAYER_WISE,
+    "torch-norm-sequence-parallel": _LAYOUTS,
+    # rehearsals
+    "fake-parameter-conversion": _REHEARSE,
+    "fake-world-gather-object": _REHEARSE,
+    "float16-optimizer-cpu-types": _REHEARSE,
+    "local-l2-norm-fake": _REHEARSE,
+    "fake-balanced-moe-dispatch": "tests/test_rehearse.py::test_proxy_micro_batch_fake_equals_real_and_hand_flops",
+}
+
+# CPU mode's CUDA redirects by the run that reaches the module: checkpoint saves, several processes, conversion
+_REDIRECTS_BY_PREFIX: tuple[tuple[str, str], ...] = (
+    ("megatron.core.dist_checkpointing.", _RESUME),
+    ("megatron.bridge.training.checkpointing", _RESUME),
+    ("megatron.core.pipeline_parallel.p2p_communication", _PARALLEL),
+    ("megatron.core.optimizer.distrib_optimizer", _PARALLEL),
+    ("megatron.core.optimizer.layer_wise_optimizer", _LAYER_WISE),
+    ("megatron.bridge.models.conversion.param_mapping",
+     "tests/test_convert_distributed.py::test_two_process_conversions_equal_one_process"),
+    ("megatron.core.transformer.moe.experts", _MODELS),
+    ("", _TRAIN),
+)
+
+REPORTED: dict[str, str] = {
+    "qk-clip-nonpositive-logit-mla": "Megatron-LM PR 7382 (open)",
+    "qk-clip-nonpositive-logit-gqa": "Megatron-LM PR 7382 (open)",
+    "qk-clip-gqa-tp-shapes": "Megatron-LM issue 4646",
+    "param-group-identity": "Megatron-LM issue 2625",
+    "tp-weight-attributes-without-init": "not needed from megatron-core 0.18 (its else branch)",
+    "slurm-without-container": "not needed from NeMo-Run 0.9 (`if container_image is None`)",
+    "kimi-k2-bridge-mappings": "not needed from megatron-bridge 0.6 (its mappings)",
+    "sequential-expert-numbers": "not needed from megatron-bridge 0.5 (read)",
+    "sft-epochs-after-resume-from-the-start": "not needed from megatron-bridge 0.6 (its epoch-aware sampler)",
+    "training-log-attention-logit": "not needed from megatron-bridge 0.6 (its keyword call)",
+    "muon-coefficient-types": "not needed from megatron-core 0.18 with emerging-optimizers 0.2 (read)",
+    "scheduler-warmup-cap": "not needed from megatron-bridge 0.4.2 (read)",
+}
+
+
+def proven_by(name: str) -> str | None:
+    """The test that proves row ``name`` is needed (a pytest node id), or None when none is named."""
+    if name in PROVEN_BY:
+        return PROVEN_BY[name]
+    if name.startswith("cuda-on-cpu "):
+        module = name.removeprefix("cuda-on-cpu ").split(" ")[0]
+        return next(test for prefix, test in _REDIRECTS_BY_PREFIX if module.startswith(prefix))
+    return None
+
+
+def reported(name: str) -> str:
+    """Where the row's upstream bug is reported or fixed, or "not reported"."""
+    return REPORTED.get(name, "not reported")
