@@ -223,7 +223,7 @@ def _from_template(run_config: dict[str, Any]) -> Any:
     only the model, tokenizer and checkpoint sections): Megatron Bridge's pre-training template
     (:func:`bridge_ext.patches.adapters.pretrain_template`) with the checkpoint's model; one sequence per batch."""
     from bridge_ext.inference.model import model_provider
-    from bridge_ext.patches.adapters import pretrain_template
+    from bridge_ext.upstream_api import pretrain_template
 
     cfg = pretrain_template()
     cfg.model = model_provider(run_config)
@@ -245,6 +245,16 @@ def _from_template(run_config: dict[str, Any]) -> Any:
     return cfg
 
 
+def _is_import(run_config: dict[str, Any]) -> bool:
+    """A run config with a model but no run (``nemo llm import``)."""
+    return not isinstance(run_config.get("train"), dict) or not isinstance(run_config.get("dataset"), dict)
+
+
+def _no_data(iter_dir: Path) -> UserError:
+    return UserError(f"{iter_dir} holds a model without a training run (an import): no data of its own; "
+                     "pass --data PATH (a .jsonl/.txt file, a prepare-data prefix or YAML) or --data mock")
+
+
 def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None,
             split: str | None = None) -> tuple[Any, str]:
     from megatron.bridge.training.config import ConfigContainer
@@ -252,11 +262,10 @@ def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens
     from bridge_ext.inference.model import read_run_config, without_runtime_objects
 
     run_config = read_run_config(iter_dir)
-    imported = not isinstance(run_config.get("train"), dict) or not isinstance(run_config.get("dataset"), dict)
+    imported = _is_import(run_config)
     if imported:
         if data is None:
-            raise UserError(f"{iter_dir} holds a model without a training run (an import): no data of its own; "
-                            "pass --data PATH (a .jsonl/.txt file, a prepare-data prefix or YAML) or --data mock")
+            raise _no_data(iter_dir)
         from bridge_ext.inference.model import checkpoint_tokenizer
 
         cfg = _from_template(run_config)
@@ -428,6 +437,12 @@ def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool
         raise UserError(f"--out {out} is not a directory")
     plan = [(ckpt, iter_dir, number) for ckpt in ckpts
             for iter_dir, number in select_iterations(ckpt, iteration=iteration, every=every)]  # all checked first
+    if data is None:
+        from bridge_ext.inference.model import read_run_config
+
+        for _, iter_dir, _ in plan:
+            if _is_import(read_run_config(iter_dir)):
+                raise _no_data(iter_dir)
     rows = []
     for ckpt, iter_dir, number in plan:
         print(f"evaluating {ckpt} iteration {number} ...", file=sys.stderr, flush=True)

@@ -2,10 +2,11 @@
 the training loop's validation printed at that iteration on the same data; ``--all`` and several ``--ckpt`` (a Muon
 run and its AdamW twin) in one table, one CSV and one PNG; bad input in one line. ``--choices``: every choice's
 log-likelihood equals transformers' on the export, acc / acc_norm the arg-max by hand. ``--data mock`` and a file
-tokenized on the fly (= its prepare-data prefix); a checkpoint imported from HF: evaluate and generate.
+tokenized on the fly (= its prepare-data prefix). Both commands on a checkpoint made as ``make demo`` makes it and on
+a checkpoint imported from HF, on every stack.
 
-One Muon run and its AdamW twin train 2 iterations once per module (the `nemo` command in this process), saving and
-validating at iterations 1 and 2.
+The checkpoints (a Muon run and its AdamW twin, 2 iterations saved and validated at 1 and 2; the demo run; the
+import) are made once per test process by tests/evaluate_generate_runs.py, shared with tests/test_generate.py.
 """
 
 from __future__ import annotations
@@ -18,34 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemo_cli import call_nemo
-
-TRAIN = ["train.train_iters=2", "checkpoint.save_interval=1", "train.eval_interval=1", "train.eval_iters=1",
-         "logger.log_interval=1"]
+import evaluate_generate_runs as shared
 
 
-def _train(root: Path, recipe: str) -> Path:
-    ckpt = root / recipe
-    result = call_nemo(["llm", "pretrain", "--recipe", recipe, f"checkpoint.save={ckpt}", *TRAIN], capture=None,
-                       cwd=root)
-    assert result.code == 0
-    return ckpt
+class _Runs:
+    """``runs["muon"]`` / ``runs["adamw"]``: the shared Qwen3 proxy runs, trained when a test first asks."""
 
+    def __init__(self, factory):
+        self.factory = factory
 
-class _Runs(dict):
-    """The trained runs, each trained when a test first asks for it (the stack tests need the Muon run only)."""
-
-    def __init__(self, root: Path):
-        super().__init__(root=root)
-
-    def __missing__(self, key: str) -> Path:
-        self[key] = _train(self["root"], {"muon": "qwen3_proxy_muon", "adamw": "qwen3_proxy_adamw"}[key])
-        return self[key]
+    def __getitem__(self, key: str) -> Path:
+        return shared.trained(self.factory, {"muon": "qwen3", "adamw": "adamw"}[key])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _Runs(tmp_path_factory.mktemp("evaluate"))
+    return _Runs(tmp_path_factory)
 
 
 def printed_validation(ckpt: Path) -> dict[int, list[tuple[str, str]]]:
@@ -254,37 +243,78 @@ def test_a_text_file_tokenized_on_the_fly_equals_its_prepare_data_prefix(nemo, r
     assert _loss(nemo, "--ckpt", runs["muon"], "--data", jsonl)["loss"] == on_the_fly["loss"]  # one document
 
 
-# ------------------------------------------------------------------------------ an imported HF proxy (issue 40)
-@pytest.mark.once
+# ------------------------------------------------- a checkpoint as `make demo` makes it, an imported HF proxy
+@pytest.mark.stack
 @pytest.mark.slow
-def test_evaluate_and_generate_on_a_checkpoint_imported_from_hf(nemo, tmp_path):
-    import hf_fixtures
+def test_both_commands_on_a_checkpoint_made_as_make_demo_makes_it(nemo, tmp_path_factory):
+    """The Makefile's own demo command line (Kimi K2 proxy, Muon with QK-clip, the shipped text), 2 iterations and a
+    validation pass at the end: evaluate = what that pass printed; generate (streamed, greedy) = transformers'
+    greedy on the checkpoint's export (the generate tests' Kimi K2 family uses this same run)."""
+    ckpt = shared.trained(tmp_path_factory, "demo")
+    printed = printed_validation(ckpt)
+    assert sorted(printed) == [2]
+    row = _loss(nemo, "--ckpt", ckpt)
+    assert row["iteration"] == 2 and row["data"].startswith("the run's data, validation split")
+    loss, ppl = printed[2][0]
+    assert f"{row['loss']:.6E}" == loss and f"{math.exp(row['loss']):.6E}" == ppl
+    prompt = "def main("
+    result = nemo(["llm", "generate", "--ckpt", ckpt, "--prompt", prompt, "--max-new-tokens", 12])
+    assert result.code == 0, result.stderr[-3000:]
+    hf = shared.exported(tmp_path_factory, "demo")
+    from bridge_ext.tokenizers import load_tokenizer
 
-    hf = hf_fixtures.qwen3_dir(tmp_path / "hf")
-    ckpt = tmp_path / "mg"
-    assert nemo(["llm", "import", "--hf", hf, "--out", ckpt]).code == 0
-    result = nemo(["llm", "evaluate", "--ckpt", ckpt])
-    assert result.code == 2 and "no data of its own" in result.stderr and "--data" in result.stderr
-    mock = _loss(nemo, "--ckpt", ckpt, "--data", "mock")
-    assert math.isfinite(mock["loss"]) and mock["iteration"] == 0
-    words = tmp_path / "words.txt"
-    words.write_text(" ".join(f"w{3 + (i * 7) % 250}" for i in range(2000)))
-    text = _loss(nemo, "--ckpt", ckpt, "--data", words)
-    assert math.isfinite(text["loss"]) and text["loss"] != mock["loss"]
-    # generate: greedy from the imported checkpoint = transformers' greedy on the HF source
+    assert result.stdout == prompt + load_tokenizer(hf).decode(shared.transformers_greedy(hf, prompt, 12)) + "\n"
+
+
+def transformers_loss(hf: Path, ids: list[int]) -> float:
+    """The reference, independent of evaluate: transformers' mean next-token cross-entropy over one sequence."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]])).logits[0].double()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])))
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+def test_both_commands_on_a_checkpoint_imported_from_hf(nemo, tmp_path_factory, tmp_path):
+    """evaluate on a text file = transformers' loss on the HF source; generate (a batch of two prompts) =
+    transformers' greedy on the HF source."""
+    import hf_fixtures
+
     from bridge_ext.tokenizers import load_tokenizer
 
-    prompt = "w5 w17 w40 w3"
-    tok = load_tokenizer(hf)
-    ids = torch.tensor([tok.encode(prompt)])
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    reference = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=tok.eod, pad_token_id=tok.eod,
-                               attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": prompt}) + "\n")
-    result = nemo(["llm", "generate", "--ckpt", ckpt, "--prompts", prompts, "--json", "--max-new-tokens", "8"])
+    run = shared.imported(tmp_path_factory)
+    # One document of 31 words + its end-of-document token = 32 tokens, which divide the model's 256-token
+    # sequences: GPTDataset cuts the repeated document into windows of 257 tokens starting every 256, so every
+    # window starts at the document's start, whatever its shuffle: each held-out sequence is the same one.
+    words = " ".join(f"w{3 + (i * 37) % 250}" for i in range(31))
+    (tmp_path / "doc.txt").write_text(words)
+    tok = load_tokenizer(run["hf"])
+    document = tok.encode(words) + [tok.eod]
+    seq = hf_fixtures.QWEN3_TINY["max_position_embeddings"]
+    assert len(document) == 32 and seq % 32 == 0
+    row = _loss(nemo, "--ckpt", run["ckpt"], "--data", tmp_path / "doc.txt")
+    assert row["iteration"] == 0 and row["eval_tokens"] == 16 * seq  # 16 batches of one sequence
+    assert row["loss"] == pytest.approx(transformers_loss(run["hf"], (document * (seq // 32 + 1))[: seq + 1]),
+                                        abs=1e-5)
+    prompts = ["w5 w17 w40 w3", "w9"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    result = nemo(["llm", "generate", "--ckpt", run["ckpt"], "--prompts", tmp_path / "prompts.jsonl", "--json",
+                   "--max-new-tokens", "8"])
     assert result.code == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1])["tokens"] == reference
+    got = [json.loads(line)["tokens"] for line in result.stdout.strip().splitlines()]
+    assert got == [shared.transformers_greedy(run["hf"], p, 8) for p in prompts]
+
+
+@pytest.mark.once  # the refusal is ours; mock data on every stack: test_mock_data_gives_a_finite_loss
+@pytest.mark.slow
+def test_an_import_has_no_data_of_its_own_and_takes_mock_data(nemo, tmp_path_factory):
+    run = shared.imported(tmp_path_factory)
+    result = nemo(["llm", "evaluate", "--ckpt", run["ckpt"]])
+    assert result.code == 2 and "no data of its own" in result.stderr and "--data" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    mock = _loss(nemo, "--ckpt", run["ckpt"], "--data", "mock")
+    assert math.isfinite(mock["loss"]) and mock["iteration"] == 0 and mock["eval_tokens"] == 16 * 256

@@ -1,8 +1,10 @@
 """``nemo llm generate``: greedy text from a Megatron checkpoint equals, token for token, transformers' own greedy
 ``generate()`` on the same checkpoint exported by ``nemo llm export``, for every proxy family (Qwen3 dense, Qwen3-MoE,
-Kimi K2 MLA + MoE, Moonlight); the same loop over the HF directory; streaming, JSONL, sampling; bad input in one line.
+Kimi K2 MLA + MoE, Moonlight), the prompts decoded together in one KV-cached batch; the same loop over the HF
+directory; streaming, JSONL, sampling; bad input in one line.
 
-Each family trains 2 iterations once per module (the `nemo` command in this process) and is exported once.
+Each family trains 2 iterations once per test process and is exported once (tests/evaluate_generate_runs.py, shared
+with tests/test_evaluate.py); Kimi K2 is the run ``make demo`` makes, cut to 2 iterations.
 """
 
 from __future__ import annotations
@@ -12,52 +14,26 @@ from pathlib import Path
 
 import pytest
 
+import evaluate_generate_runs as shared
 import hf_fixtures
-from tests.nemo_cli import call_nemo
 
 PROMPTS = ["def main(", "import os\nclass ", "    return self."]
 NEW = 12
 
-# family -> the proxy recipe trained for it
-FAMILIES = {"qwen3": "qwen3_proxy_muon", "qwen3_moe": "qwen3_moe_proxy_muon", "kimi_k2": "kimi_k2_proxy_muon",
-            "moonlight": "moonlight_proxy_muon"}
-
-
-def _trained(root: Path, recipe: str) -> dict[str, Path]:
-    ckpt, hf = root / "ckpt", root / "hf"
-    result = call_nemo(["llm", "pretrain", "--recipe", recipe, "train.train_iters=2", f"checkpoint.save={ckpt}",
-                        "checkpoint.save_interval=2", "logger.log_interval=1"], capture=None, cwd=root)
-    assert result.code == 0
-    assert call_nemo(["llm", "export", "--ckpt", ckpt, "--out", hf], capture=None, cwd=root).code == 0
-    return {"ckpt": ckpt, "hf": hf, "root": root}
+# family -> the shared run trained for it
+FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "kimi_k2": "demo", "moonlight": "moonlight"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache: dict[str, dict[str, Path]] = {}
-
     def get(family: str) -> dict[str, Path]:
-        if family not in cache:
-            cache[family] = _trained(tmp_path_factory.mktemp(family), FAMILIES[family])
-        return cache[family]
+        name = FAMILIES[family]
+        return {"ckpt": shared.trained(tmp_path_factory, name), "hf": shared.exported(tmp_path_factory, name)}
 
     return get
 
 
-def transformers_greedy(hf: Path, prompt: str, new: int) -> list[int]:
-    """The reference: transformers' own greedy generate() on the export, the tokenizer from the export."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from bridge_ext.hf import load_hf_config
-    from bridge_ext.tokenizers import load_tokenizer
-
-    tok = load_tokenizer(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, config=load_hf_config(hf), dtype=torch.float32)
-    ids = torch.tensor([tok.encode(prompt)])
-    out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tok.eod, pad_token_id=tok.eod,
-                         attention_mask=torch.ones_like(ids))
-    return out[0, ids.shape[1]:].tolist()
+transformers_greedy = shared.transformers_greedy
 
 
 def _generate_jsonl(nemo, source: list, tmp_path: Path, *extra) -> list[dict]:
@@ -94,7 +70,7 @@ def test_greedy_megatron_equals_transformers_moe_families(nemo, runs, family, tm
     _greedy_equals_transformers(nemo, runs, family, tmp_path)
 
 
-@pytest.mark.stack
+@pytest.mark.once  # the stream and the sampler are ours; a stream on every stack: test_evaluate's make-demo test
 @pytest.mark.slow
 def test_streams_one_prompt_and_samples_reproducibly(nemo, runs, tmp_path):
     run = runs("qwen3")
@@ -111,6 +87,31 @@ def test_streams_one_prompt_and_samples_reproducibly(nemo, runs, tmp_path):
                                "--top-p", "0.95", "--seed", str(seed)) for seed in (7, 7, 8)]
     assert sampled[0] == sampled[1]  # the seed fixes the draw
     assert sampled[0] != sampled[2]
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_decodes_up_to_the_models_context(nemo, runs, tmp_path):
+    """A prompt 8 tokens short of the context (128) in one batch with a short one: the long one fills the KV cache
+    to its last position and stops there, each equal to transformers' greedy."""
+    from bridge_ext.tokenizers import load_tokenizer
+
+    run = runs("qwen3")
+    tok = load_tokenizer(run["hf"])
+    long_prompt = tok.decode(tok.encode("x" + " x" * 200)[:120])
+    assert len(tok.encode(long_prompt)) == 120
+    rows = _generate_lines(nemo, run["ckpt"], [long_prompt, "def main("], tmp_path, 20)
+    assert rows[0]["stop"] == "context" and len(rows[0]["tokens"]) == 8
+    assert rows[0]["tokens"] == transformers_greedy(run["hf"], long_prompt, 8)
+    assert rows[1]["tokens"] == transformers_greedy(run["hf"], "def main(", 20)
+
+
+def _generate_lines(nemo, ckpt: Path, prompts: list[str], tmp_path: Path, new: int) -> list[dict]:
+    path = tmp_path / "context.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    result = nemo(["llm", "generate", "--ckpt", ckpt, "--prompts", path, "--json", "--max-new-tokens", new])
+    assert result.code == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.strip().splitlines()]
 
 
 @pytest.mark.stack
