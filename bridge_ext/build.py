@@ -118,7 +118,7 @@ def template(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
     """The recipe's values on Megatron Bridge's template for its task, before any override and with nothing
     derived: ``pretrain`` (``_pretrain_common``), ``sft`` (``_sft_common``) or ``lora`` (``_peft_common``),
     the model from the shipped HF config, the layout, the optimizer preset, the run's directories."""
-    from bridge_ext.patches.adapters import finetune_template, pretrain_template
+    from bridge_ext.upstream_api import finetune_template, pretrain_template
 
     chosen = recipe.layout(layout)
     problems = chosen.problems(recipe.model.num_layers)
@@ -298,7 +298,7 @@ def _launch_problems(cfg: ConfigContainer, gpus: int, max_positions: int | None)
     out += muon_checks.launch_problems(cfg)  # upstream Muon / QK-clip bugs the installed code has
     if max_positions and m.seq_length > max_positions:  # RoPE would run, on positions the model never had
         out.append(f"model.seq_length {m.seq_length} exceeds the model's max_position_embeddings {max_positions}")
-    from bridge_ext.patches.adapters import batch_split_calculator
+    from bridge_ext.upstream_api import batch_split_calculator
 
     try:  # the calculator Megatron Bridge's initialize builds at launch
         batch_split_calculator(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
@@ -322,7 +322,7 @@ def validate_for_layout(cfg: ConfigContainer, *, gpus: int, max_positions: int |
     ``UserError``.
     """
     from bridge_ext.validation import validation_without_gpu
-    from bridge_ext.patches.adapters import mixed_precision_for_validate, sft_root_for_validate
+    from bridge_ext.upstream_api import mixed_precision_for_validate, sft_root_for_validate
 
     problems = _size_problems(cfg) or _launch_problems(cfg, gpus, max_positions)
     if problems:

@@ -32,7 +32,7 @@ def pretrain_template():
     container's) predates that module, and each of its recipes builds the same container inline: there the
     same template is built from Megatron Bridge's own config classes (:func:`_pretrain_common_inline`).
     """
-    from bridge_ext.patches.registry import apply
+    from bridge_ext.patching import apply
 
     apply("import")
     if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:
@@ -87,7 +87,7 @@ def finetune_template(mode: str):
     ``_peft_common()`` (``"lora"``) of megatron-bridge 0.3.1 ``recipes/common.py``; on 0.3.0, which builds the
     same container inside each recipe's ``_*_finetune_common``, from the same classes and values.
     """
-    from bridge_ext.patches.registry import apply
+    from bridge_ext.patching import apply
 
     apply("import")
     if importlib.util.find_spec("megatron.bridge.recipes.common") is not None:

@@ -99,7 +99,7 @@ def test_budget_follows_the_batch_and_an_explicit_length_wins():
 
 def test_models_without_a_budget_keep_megatron_bridges_template_length():
     from bridge_ext.build import build_config
-    from bridge_ext.patches.adapters import pretrain_template
+    from bridge_ext.upstream_api import pretrain_template
 
     cfg = build_config(recipes.get_recipe("qwen3_8b_muon"))
     assert cfg.train.train_iters == pretrain_template().train.train_iters == 300_000

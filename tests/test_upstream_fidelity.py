@@ -288,7 +288,7 @@ def test_nvidia_perf_ddp_and_coefficients_match_megatron_bridges_kimi_k2_muon_re
 
 
 def test_train_length_without_a_budget_is_megatron_bridges_template():
-    from bridge_ext.patches.adapters import pretrain_template
+    from bridge_ext.upstream_api import pretrain_template
     from recipes.budget import UNSTATED_TRAIN_ITERS
 
     assert pretrain_template().train.train_iters == UNSTATED_TRAIN_ITERS

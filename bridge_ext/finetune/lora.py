@@ -23,7 +23,7 @@ def merged_state_dict(chunk: Any) -> dict[str, Any]:
     import torch
     from megatron.bridge.peft.lora_layers import LoRALinear
 
-    from bridge_ext.patches.adapters import lora_merge
+    from bridge_ext.upstream_api import lora_merge
 
     merge, unsharded = lora_merge()
     merged = {}

@@ -22,7 +22,8 @@ of a module in its area (tests/test_patches.py); the code a row puts in place li
 * CPU mode's patches (CUDA redirected per module, targeted patches, recompiled functions) are the CPU harness's,
   in ``bridge_ext.cpu.patches``, registered here like every other: this package is the GPU path's deviations.
 
-``adapters`` holds the stack adapters (which upstream entry point to call; nothing is changed upstream).
+Which upstream entry point to call, and with which names, changes nothing upstream and is not here:
+``bridge_ext.upstream_api``.
 Where upstream offers an extension point, a row uses it instead of changing upstream code: a pre-wrap hook
 (``hook=``, registered on each provider by :func:`register_hooks`), a subclass (``transformer``'s resolver).
 Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, for a new scope, a call of
