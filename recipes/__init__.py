@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from recipes.budget import UNSTATED_TRAIN_ITERS, RunLength, iters_for_tokens, run_length
+from recipes.budget import (UNSTATED_TRAIN_ITERS, RunLength, derived_schedule, iters_for_tokens, run_length,
+                            tokens_per_step)
 from recipes.errors import UserError, closest
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
@@ -72,24 +73,24 @@ class Recipe:
         if "train.train_iters" in self.overrides:
             return self.overrides["train.train_iters"]
         if self.model.pretrain_tokens:
-            return iters_for_tokens(self.model.pretrain_tokens, layout.global_batch_size * layout.seq_length)
+            return iters_for_tokens(self.model.pretrain_tokens,
+                                    tokens_per_step(layout.global_batch_size, layout.seq_length))
         return UNSTATED_TRAIN_ITERS
 
     def run_length(self, layout: str | None = None) -> RunLength:
-        """Tokens per step, iterations, warm-up and decay start on ``layout``, from recipe data alone."""
+        """Tokens per step, iterations, warm-up and decay start on ``layout``, from recipe data alone: the
+        schedule values derived as ``bridge_ext.build`` derives them (``recipes.budget.derived_schedule``)."""
         chosen = self.layout(layout)
-        sched = {**self.preset.scheduler,
-                 **{k.removeprefix("scheduler."): v for k, v in self.overrides.items() if k.startswith("scheduler.")}}
+        own = {k.removeprefix("scheduler."): v for k, v in self.overrides.items() if k.startswith("scheduler.")}
+        sched = {**self.preset.scheduler, **own}
         iters = self.train_iters(chosen)
-        wsd = sched.get("lr_wsd_decay_iters")
-        fraction = self.preset.schedule_fractions.get("lr_wsd_decay_fraction")
-        if wsd is None and fraction is not None:  # as bridge_ext.muon.resolve_schedule resolves it
-            wsd = max(1, round(fraction * (sched.get("lr_decay_iters") or iters)))
+        sched.update(derived_schedule(sched, train_iters=iters, fractions=self.preset.schedule_fractions,
+                                      explicit=own, preset=self.preset.name))
         return run_length(global_batch_size=chosen.global_batch_size, seq_length=chosen.seq_length, train_iters=iters,
                           lr_warmup_iters=sched.get("lr_warmup_iters"),
                           lr_warmup_fraction=sched.get("lr_warmup_fraction"),
                           lr_decay_iters=sched.get("lr_decay_iters"), lr_decay_style=sched["lr_decay_style"],
-                          lr_wsd_decay_iters=wsd)
+                          lr_wsd_decay_iters=sched.get("lr_wsd_decay_iters"))
 
 
 # Muon preset each model family's `_muon` recipe uses, and why (shown on the recipe cards); the `_adamw`

@@ -35,7 +35,7 @@ class OptimizerPreset:
     ddp: Mapping[str, Any] = field(default_factory=dict)  # DDP settings the optimizer forces
     # TransformerConfig fields the optimizer relies on (QK-clip lives there, not in OptimizerConfig).
     model: Mapping[str, Any] = field(default_factory=dict)
-    # Scheduler lengths as fractions of train.train_iters, resolved after overrides (bridge_ext.muon).
+    # Scheduler lengths as fractions of train.train_iters, resolved after overrides (recipes.budget.derived_schedule).
     schedule_fractions: Mapping[str, float] = field(default_factory=dict)
     # Orthogonalize a gated MLP's gate and up projections (linear_fc1 = [gate; up]) apart, as Moonlight's
     # reference does on the HF weights (bridge_ext.muon.split); megatron-core 0.16 has no field for it.
@@ -155,7 +155,8 @@ PRESETS: dict[str, OptimizerPreset] = {preset.name: preset for preset in (NVIDIA
 
 # ---------------------------------------------------------------------------------------------------------
 # Paper-faithful Muon presets. Settings megatron-core 0.16's OptimizerConfig/SchedulerConfig have no field
-# for (model, schedule_fractions; ns_coefficients on megatron-core 0.16) are applied by ``bridge_ext.muon.apply_preset``.
+# for are applied by ``bridge_ext.muon`` (model: ``apply_preset``; ns_coefficients on megatron-core 0.16 and
+# split_gate_up: ``install_preset``); schedule_fractions become iterations in ``recipes.budget.derived_schedule``.
 # ---------------------------------------------------------------------------------------------------------
 
 __all__ += ["MOONLIGHT", "KIMI_K2", "KIMI_K2_SCHEDULE", "adamw_twin"]
@@ -221,7 +222,7 @@ KIMI_K2 = replace(
             "lr_wsd_decay_style": "cosine",
             "lr_warmup_iters": KIMI_K2_SCHEDULE["lr_warmup_iters"],  # steps, whatever train.train_iters is
             "lr_decay_iters": None,  # train.train_iters
-            "lr_wsd_decay_iters": None,  # resolved from lr_wsd_decay_fraction by bridge_ext.muon.resolve_schedule
+            "lr_wsd_decay_iters": None,  # from lr_wsd_decay_fraction: recipes.budget.derived_schedule
         },
     ),
     model={"qk_clip": True, "qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5, "log_max_attention_logit": True},

@@ -16,6 +16,7 @@ from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
 from bridge_ext.muon.runtime import MUON, NS_COEFFICIENTS
 from bridge_ext.muon.split import install_gate_up_split
+from recipes.budget import SCHEDULE_FIELDS, derived_schedule
 
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
@@ -95,26 +96,14 @@ def install_preset(preset: OptimizerPreset, cfg: Any = None) -> None:
 
 def schedule_values(scheduler: Any, preset: OptimizerPreset, *, train_iters: int | None,
                     explicit: Collection[str] = ()) -> dict[str, Any]:
-    """The scheduler values the preset's schedule fractions give for ``train_iters`` (``scheduler.`` keys).
-
-    Megatron Bridge 0.3.1's ``SchedulerConfig`` knows ``lr_warmup_fraction`` (of ``lr_decay_iters``) but
-    has only iteration counts for the WSD decay, so ``lr_wsd_decay_fraction`` becomes
-    ``lr_wsd_decay_iters = round(fraction * lr_decay_iters)``. Explicit settings win: a non-zero
-    ``lr_warmup_iters`` (e.g. the proxies' 5) drops ``lr_warmup_fraction`` (Megatron rejects both), and a
-    ``scheduler.lr_wsd_decay_iters`` in ``explicit`` (the dotted keys the user set) is kept unless it is unset.
-    """
-    out: dict[str, Any] = {}
-    if scheduler.lr_warmup_fraction is not None and scheduler.lr_warmup_iters:
-        out["scheduler.lr_warmup_fraction"] = None
-    fraction = getattr(preset, "schedule_fractions", {}).get("lr_wsd_decay_fraction")
-    unset = scheduler.lr_wsd_decay_iters is None or "scheduler.lr_wsd_decay_iters" not in explicit
-    if fraction is not None and unset and scheduler.lr_decay_style == "WSD":
-        if train_iters is None:
-            raise UserError(f"preset '{preset.name}' sets its decay as a fraction of train.train_iters; "
-                            "set train.train_iters (sample-based training is not supported by this preset)")
-        decay_iters = scheduler.lr_decay_iters or train_iters
-        out["scheduler.lr_wsd_decay_iters"] = max(1, round(fraction * decay_iters))
-    return out
+    """The scheduler values the preset's schedule fractions give for ``train_iters`` (``scheduler.`` keys):
+    ``recipes.budget.derived_schedule`` of ``scheduler`` (a Bridge ``SchedulerConfig``). ``explicit``: the dotted
+    keys the user set (an explicit ``scheduler.lr_wsd_decay_iters`` is kept unless it is unset)."""
+    values = {name: getattr(scheduler, name, None) for name in SCHEDULE_FIELDS}
+    names = {key.removeprefix("scheduler.") for key in explicit if key.startswith("scheduler.")}
+    derived = derived_schedule(values, train_iters=train_iters, fractions=getattr(preset, "schedule_fractions", {}),
+                               explicit=names, preset=preset.name)
+    return {f"scheduler.{name}": value for name, value in derived.items()}
 
 
 def resolve_schedule(cfg: Any, preset: OptimizerPreset, *, explicit: Collection[str] = ()) -> dict[str, Any]:
