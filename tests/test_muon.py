@@ -53,13 +53,37 @@ def test_the_coefficients_that_run_are_the_configs_and_the_dry_run_says_so(nemo)
         install_preset(get_recipe("qwen3_proxy_muon").preset, cfg)
         assert installed_ns_coefficients() == expected
     finally:
-        from bridge_ext.muon import install_ns_coefficients
-
-        install_ns_coefficients("quintic")  # process-wide: megatron-core's default for the other tests
+        install_preset(PRESETS["adamw"])  # process-wide: megatron-core's defaults for the other tests
     done = nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "--dryrun", *overrides])
     assert done.code == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("muon ")]
     assert f"coefficients={expected}," in line and "coefficient_type=" not in line, line
+
+
+def test_installing_a_preset_sets_exactly_its_settings_and_a_second_one_replaces_them():
+    """One source (issue 39): install_preset installs MuonSettings.of(preset, cfg) whole, in one step; the next
+    preset's settings replace them (nothing of the first survives); AdamW's are megatron-core's defaults."""
+    from types import SimpleNamespace
+
+    from bridge_ext.muon import muon_settings
+    from bridge_ext.muon.presets import MuonSettings, install_preset
+
+    try:
+        install_preset(PRESETS["kimi_k2"])  # Keller Jordan's set, gate and up apart
+        assert muon_settings() == MuonSettings(ns_coefficients="simple", split_gate_up=True)
+        install_preset(PRESETS["nvidia_perf"])  # megatron-core's quintic, linear_fc1 whole
+        assert muon_settings() == MuonSettings(ns_coefficients="quintic", split_gate_up=False)
+        install_preset(PRESETS["kimi_k2_fused_mlp"])
+        assert muon_settings() == MuonSettings(ns_coefficients="simple", split_gate_up=False)
+        cfg = SimpleNamespace(optimizer=SimpleNamespace(muon_coefficient_type="quintic"))  # 0.17+: the config's
+        install_preset(PRESETS["moonlight"], cfg)
+        assert muon_settings() == MuonSettings(ns_coefficients="quintic", split_gate_up=True)
+        install_preset(PRESETS["adamw"])
+        assert muon_settings() == MuonSettings() == MuonSettings(ns_coefficients="quintic", split_gate_up=False)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            muon_settings().split_gate_up = True  # type: ignore[misc]
+    finally:
+        install_preset(PRESETS["adamw"])
 
 
 def test_kimi_k2_fields_are_pinned():
@@ -254,11 +278,9 @@ def build_kimi_proxy(preset):
 
 def release_proxy() -> None:
     """Undo what build_kimi_proxy installed process-wide, for whatever runs next in this process."""
-    from bridge_ext.muon import install_ns_coefficients
-    from bridge_ext.muon.split import install_gate_up_split
+    from bridge_ext.muon.presets import MuonSettings, install_settings
 
-    install_ns_coefficients("quintic")  # megatron-core's default
-    install_gate_up_split(False)
+    install_settings(MuonSettings())  # megatron-core's defaults: "quintic", no gate/up split
     _end_process_state()
 
 
@@ -274,9 +296,10 @@ def _run_optimizer(cfg, model, name, grads, *, precision, coefficients):
     import torch
     from megatron.bridge.training.optim import setup_optimizer
 
-    from bridge_ext.muon import install_ns_coefficients
+    from bridge_ext.muon import muon_settings
+    from bridge_ext.muon.presets import install_settings
 
-    install_ns_coefficients(coefficients)
+    install_settings(dataclasses.replace(muon_settings(), ns_coefficients=coefficients))  # the preset's, this set
     opt_cfg = copy.deepcopy(cfg.optimizer)
     opt_cfg.muon_fp32_matmul_prec = precision
     if hasattr(opt_cfg, "muon_coefficient_type"):  # megatron-core 0.17+ passes it explicitly: it decides there
@@ -386,7 +409,7 @@ def mla_proxy(cpu_mode):
 
     from bridge_ext.build import build_config
     from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
-    from bridge_ext.muon import apply_preset, install_ns_coefficients, resolve_schedule, track_attention_logits
+    from bridge_ext.muon import apply_preset, install_preset, resolve_schedule, track_attention_logits
 
     init_single_process_distributed()
     preset = PRESETS["kimi_k2"]
@@ -402,7 +425,7 @@ def mla_proxy(cpu_mode):
     tracker = track_attention_logits(model)
     yield cfg, model
     tracker.remove()
-    install_ns_coefficients("quintic")
+    install_preset(PRESETS["adamw"])  # megatron-core's defaults for the other tests
     _end_process_state()
 
 
@@ -580,7 +603,7 @@ def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
     from bridge_ext.build import build_config
     from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
     from bridge_ext.hf import read_config_json
-    from bridge_ext.muon import MuonTelemetry, apply_preset, install_ns_coefficients, resolve_schedule
+    from bridge_ext.muon import MuonTelemetry, apply_preset, install_preset, resolve_schedule
 
     preset = PRESETS["kimi_k2"]
     cfg = build_config(dataclasses.replace(get_recipe("kimi_k2_proxy_muon"), preset=preset))
@@ -606,7 +629,7 @@ def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
     try:
         pretrain(cfg, forward_step, callbacks=[telemetry, EmbeddingRows()])
     finally:
-        install_ns_coefficients("quintic")
+        install_preset(PRESETS["adamw"])  # megatron-core's defaults for the other tests
         reset_megatron_globals()
         torch.distributed.destroy_process_group()
     # the model's vocabulary is its config.json's on every stack (megatron-bridge 0.6's template would let the

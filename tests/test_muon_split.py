@@ -40,11 +40,9 @@ def _step(cfg, model, name, grads, *, split: bool):
     import torch
     from megatron.bridge.training.optim import setup_optimizer
 
-    from bridge_ext.muon import install_ns_coefficients
-    from bridge_ext.muon.split import install_gate_up_split
+    from bridge_ext.muon.presets import MuonSettings, install_settings
 
-    install_ns_coefficients("simple")
-    install_gate_up_split(split)
+    install_settings(MuonSettings(ns_coefficients="simple", split_gate_up=split))
     opt_cfg = copy.deepcopy(cfg.optimizer)
     opt_cfg.muon_fp32_matmul_prec = "highest"
     params = dict(model[0].named_parameters())

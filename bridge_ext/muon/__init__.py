@@ -5,11 +5,12 @@ declares the rows (``patches/optimizer.py``, ``patches/transformer.py``) that pu
 megatron-core's, as ``patches/checkpointing.py`` does with ``bridge_ext.kill_safe``. One module per job, each
 usable alone:
 
-* :mod:`bridge_ext.muon.runtime`: the process-wide state the patched code reads at every call (:data:`MUON`:
-  Newton-Schulz coefficients, gate/up split) and the names of the ``muon`` scope's patches.
+* :mod:`bridge_ext.muon.runtime`: the settings the patched code reads at every call (:class:`MuonSettings`:
+  Newton-Schulz coefficients, gate/up split; one immutable object built from the preset, installed whole,
+  read through :func:`~bridge_ext.muon.runtime.muon_settings`) and the names of the ``muon`` scope's patches.
 
-* :mod:`bridge_ext.muon.presets`: presets at run time (:func:`apply_preset`, :func:`resolve_schedule`,
-  :func:`install_ns_coefficients`): what a ``recipes.optimizers.MuonPreset`` needs beyond the
+* :mod:`bridge_ext.muon.presets`: presets at run time (:func:`apply_preset`, :func:`install_preset`,
+  :func:`resolve_schedule`): what a ``recipes.optimizers.MuonPreset`` needs beyond the
   ``OptimizerConfig``/``SchedulerConfig`` fields that ``bridge_ext.build`` already applies.
 * :mod:`bridge_ext.muon.split`: the gate/up split (:func:`~bridge_ext.muon.split.install_gate_up_split`):
   a gated MLP's ``[gate; up]`` orthogonalized per half, as Moonlight's reference Muon does.
@@ -36,14 +37,17 @@ from bridge_ext.muon.presets import (
     CoefficientType,
     apply_preset,
     install_ns_coefficients,
+    install_preset,
     installed_ns_coefficients,
     resolve_schedule,
 )
+from bridge_ext.muon.runtime import MuonSettings, muon_settings
 from bridge_ext.muon.telemetry import MuonTelemetry, orthogonality_error
 
 __all__ = [
     "CoefficientType",
     "MuonPlan",
+    "MuonSettings",
     "MuonTelemetry",
     "PlanRow",
     "apply_preset",
@@ -51,8 +55,10 @@ __all__ = [
     "format_plan",
     "install_muon_clip",
     "install_ns_coefficients",
+    "install_preset",
     "installed_ns_coefficients",
     "muon_plan",
+    "muon_settings",
     "newton_schulz_flops",
     "orthogonality_error",
     "resolve_schedule",

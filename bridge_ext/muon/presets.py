@@ -1,51 +1,45 @@
 """Muon presets at run time: what a ``recipes.optimizers.MuonPreset`` needs beyond what ``bridge_ext.build`` applies.
 
-:func:`apply_preset` writes the preset's model fields and installs its Newton-Schulz coefficients
-(:func:`install_ns_coefficients`), the gate/up split and MuonClip; :func:`resolve_schedule` turns its schedule
-fractions into iteration counts. References: Moonlight, arXiv 2502.16982; megatron-core 0.16.1
-``optimizer/muon.py``; emerging-optimizers ``orthogonalized_optimizers``. Imports neither torch nor Megatron.
+:func:`apply_preset` writes the preset's model fields; :func:`install_preset` installs its run-time parts in one
+step: one :class:`~bridge_ext.muon.runtime.MuonSettings` built from the preset and the run's config (Newton-Schulz
+coefficients, the gate/up split), the ``muon`` patches that read it, and MuonClip. :func:`schedule_values` turns
+its schedule fractions into iteration counts (the arithmetic: ``recipes.budget``). References: Moonlight, arXiv
+2502.16982; megatron-core 0.16.1 ``optimizer/muon.py``; emerging-optimizers ``orthogonalized_optimizers``.
+Imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext import patching
 from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
-from bridge_ext.muon.runtime import MUON, NS_COEFFICIENTS
-from bridge_ext.muon.split import install_gate_up_split
+from bridge_ext.muon.runtime import (GATE_UP_SPLIT, NS_COEFFICIENTS, MuonSettings, install, muon_settings,
+                                     ns_coefficients_of)
 from recipes.budget import SCHEDULE_FIELDS, derived_schedule
 
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
 
-__all__ = ["CoefficientType", "apply_preset", "install_ns_coefficients", "install_preset",
-           "installed_ns_coefficients", "ns_coefficients_of", "resolve_schedule", "schedule_values"]
+__all__ = ["CoefficientType", "MuonSettings", "apply_preset", "install_ns_coefficients", "install_preset",
+           "install_settings", "installed_ns_coefficients", "ns_coefficients_of", "resolve_schedule",
+           "schedule_values"]
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
 
-def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
-    """Make every ``TensorParallelMuon`` built from now on use ``coefficient_type`` (process-wide).
-
-    megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``) builds
-    ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
-    (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the
-    ``muon-ns-coefficients`` patch (``bridge_ext.patches.optimizer``, making
-    :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes an unspecified ``coefficient_type`` this one.
-    Idempotent; an explicit ``coefficient_type=`` argument still wins. "simple" is Keller Jordan's
-    (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes ``coefficient_type=config.muon_coefficient_type``
-    explicitly: there the preset's set reaches Muon through that field (``bridge_ext.patches.optimizer_fields``),
-    and this default is never used.
-    """
+def _check_coefficients(coefficient_type: str) -> None:
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
 
     if coefficient_type not in _COEFFICIENT_SETS:
         raise UserError(f"unknown Newton-Schulz coefficient set '{coefficient_type}'; "
                         f"emerging-optimizers has: {', '.join(_COEFFICIENT_SETS)}")
-    MUON.ns_coefficients = coefficient_type
+
+
+def _switch_on_ns_coefficients() -> None:
     if not patching.apply("muon", only=NS_COEFFICIENTS):
         from bridge_ext.stack import UpstreamDrift, package_of
 
@@ -53,9 +47,51 @@ def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
                             "muon or emerging_optimizers module; bridge_ext.patches.optimizer needs updating")
 
 
+def install_settings(settings: MuonSettings) -> None:
+    """Make ``settings`` Muon's current run-time settings (process-wide), whole, and switch on the ``muon`` patches
+    that read them; what :func:`install_preset` does with ``MuonSettings.of(preset, cfg)``.
+
+    Newton-Schulz coefficients: megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``)
+    builds ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
+    (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the ``muon-ns-coefficients``
+    patch (``bridge_ext.patches.optimizer``, making :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes
+    an unspecified ``coefficient_type`` the settings' (an explicit ``coefficient_type=`` still wins). "simple" is
+    Keller Jordan's (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes
+    ``coefficient_type=config.muon_coefficient_type`` explicitly: there the preset's set reaches Muon through that
+    field (``bridge_ext.patches.optimizer_fields``), and this default is never used. The gate/up split
+    (:mod:`bridge_ext.muon.split`) is read at every step. Idempotent.
+    """
+    _check_coefficients(settings.ns_coefficients)
+    install(settings)
+    _switch_on_ns_coefficients()
+    patching.apply("muon", only=GATE_UP_SPLIT)
+
+
+def install_preset(preset: OptimizerPreset, cfg: Any = None) -> None:
+    """A preset's process-wide parts, at run time, in one step: ``MuonSettings.of(preset, cfg)`` installed whole
+    (:func:`install_settings`; a second preset replaces the first's settings, nothing is merged) and the MuonClip
+    fix (:func:`install_muon_clip`). A preset that is not Muon (``adamw``) installs the defaults (megatron-core's
+    "quintic", no split) and switches no patch on."""
+    settings = MuonSettings.of(preset, cfg)
+    if preset.kind != "muon":
+        install(settings)
+        return
+    install_settings(settings)
+    install_muon_clip()
+
+
+def install_ns_coefficients(coefficient_type: CoefficientType) -> None:
+    """The current settings with ``coefficient_type`` as the Newton-Schulz set, installed whole (one replacement,
+    no field set), and the ``muon-ns-coefficients`` patch on: for tests and benchmarks that pick a set by hand; a
+    run installs its preset (:func:`install_preset`)."""
+    _check_coefficients(coefficient_type)
+    install(replace(muon_settings(), ns_coefficients=coefficient_type))
+    _switch_on_ns_coefficients()
+
+
 def installed_ns_coefficients() -> str:
     """The coefficient set ``TensorParallelMuon`` gets when none is passed."""
-    return MUON.ns_coefficients
+    return muon_settings().ns_coefficients
 
 
 def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> None:
@@ -73,25 +109,6 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
         setattr(cfg.model, key, value)
     if runtime:
         install_preset(preset, cfg)
-
-
-def ns_coefficients_of(preset: OptimizerPreset, cfg: Any = None) -> str | None:
-    """The Newton-Schulz coefficient set a run of ``cfg`` uses: its ``optimizer.muon_coefficient_type`` where the
-    installed OptimizerConfig has the field (an override counts), else the preset's (megatron-core 0.16)."""
-    if preset.kind != "muon":
-        return None
-    configured = getattr(getattr(cfg, "optimizer", None), "muon_coefficient_type", None)
-    return configured or preset.ns_coefficients
-
-
-def install_preset(preset: OptimizerPreset, cfg: Any = None) -> None:
-    """A Muon preset's process-wide parts, at run time: the Newton-Schulz coefficients ``cfg`` runs with
-    (:func:`ns_coefficients_of`), the gate/up split and the MuonClip fix (:func:`install_muon_clip`). Plain presets
-    (``nvidia_perf``, ``adamw``) install nothing: megatron-core's "quintic" stays."""
-    if preset.kind == "muon":
-        install_ns_coefficients(ns_coefficients_of(preset, cfg))  # 0.16 has no field: how its set gets there
-        install_gate_up_split(getattr(preset, "split_gate_up", False))
-        install_muon_clip()
 
 
 def schedule_values(scheduler: Any, preset: OptimizerPreset, *, train_iters: int | None,

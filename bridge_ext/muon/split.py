@@ -10,8 +10,9 @@ shared-expert and routed-expert ``linear_fc1`` weights, as ``muon_split_qkv`` do
 Tensor parallelism: each rank's shard is ``[gate_r; up_r]`` (``GatedMLPMapping`` shards gate and up apart),
 so halving the local shard gives the gate and up shards; blockwise mode orthogonalizes each, the
 distributed modes gather each along dim 0 as before. The ``muon-gate-up-params`` and ``muon-gate-up-split``
-patches (``bridge_ext.patches.optimizer``) put :func:`marking_gate_up` and :func:`gate_up_apart` in place.
-Imports neither torch nor Megatron at import time.
+patches (``bridge_ext.patches.optimizer``) put :func:`marking_gate_up` and :func:`gate_up_apart` in place; whether
+the split is on is the current ``MuonSettings.split_gate_up`` (``bridge_ext.muon.runtime``, installed with the
+preset by ``bridge_ext.muon.presets.install_preset``). Imports neither torch nor Megatron at import time.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from dataclasses import replace
+
 from bridge_ext import patching
-from bridge_ext.muon.runtime import GATE_UP_SPLIT, MUON
+from bridge_ext.muon.runtime import GATE_UP_SPLIT, install, muon_settings
 
 __all__ = ["GATE_UP_PATTERN", "flag_main_params", "gate_up_apart", "gate_up_split_installed", "install_gate_up_split",
            "mark_gate_up_params", "marking_gate_up"]
@@ -32,18 +35,19 @@ GATE_UP_PATTERN = re.compile(r"(^|\.)linear_fc1\.weight\d*$")
 
 
 def gate_up_split_installed() -> bool:
-    return MUON.split_gate_up
+    return muon_settings().split_gate_up
 
 
 def install_gate_up_split(enabled: bool) -> None:
-    """Make every ``TensorParallelMuon`` built from now on orthogonalize gate and up apart (or not).
+    """The current settings with the split on (or off), installed whole (one replacement, no field set), and the
+    patches that split on: for tests that pick it by hand; a run installs its preset's (``install_preset``).
 
     Process-wide, idempotent; read at every step. The ``muon-gate-up-params`` and ``muon-gate-up-split``
     patches (``bridge_ext.patches.optimizer``) wrap Megatron Bridge's reference to ``get_megatron_muon_optimizer``
     (to flag the gated ``linear_fc1`` weights by name, which only the model knows) and
     ``TensorParallelMuon.orthogonalize``.
     """
-    MUON.split_gate_up = enabled
+    install(replace(muon_settings(), split_gate_up=enabled))
     patching.apply("muon", only=GATE_UP_SPLIT)
 
 
@@ -94,10 +98,13 @@ def marking_gate_up(build: Callable) -> Callable:
 
 
 def gate_up_apart(orthogonalize: Callable) -> Callable:
-    """``TensorParallelMuon.orthogonalize`` that, while the split is on, orthogonalizes ``[gate; up]`` per half."""
+    """``TensorParallelMuon.orthogonalize`` that, while the split is on, orthogonalizes ``[gate; up]`` per half.
+
+    The split is read from :func:`~bridge_ext.muon.runtime.muon_settings` at every call: megatron-core calls this
+    method, with no way to hand it our settings."""
 
     def orthogonalize_parts(self: Any, p: Any, grad: Any, **kwargs: Any) -> Any:
-        if not (MUON.split_gate_up and getattr(p, "is_gate_up", False)):
+        if not (muon_settings().split_gate_up and getattr(p, "is_gate_up", False)):
             return orthogonalize(self, p, grad, **kwargs)
         import torch
 

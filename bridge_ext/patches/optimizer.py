@@ -9,8 +9,9 @@ Stack fixes (scope ``stack``, every run, GPUs too):
   ``newton_schulz_tp(..., mode=...)``; emerging-optimizers 0.3.0 renamed it ``tp_mode``. Same stacks.
 
 A Muon preset's run-time parts (scope ``muon``, applied by ``bridge_ext.muon.presets.install_preset``): each
-row points at the function in ``bridge_ext.muon`` that does the work; what they do is set in
-``bridge_ext.muon.runtime.MUON``, read at every call:
+row points at the function in ``bridge_ext.muon`` that does the work; what they do is the preset's
+``bridge_ext.muon.runtime.MuonSettings``, installed whole with the preset and read at every call
+(``muon_settings()``: megatron-core calls these functions and cannot hand them our settings):
 
 * ``muon-ns-coefficients``: megatron-core 0.16's ``get_megatron_muon_optimizer`` builds ``TensorParallelMuon``
   without a ``coefficient_type`` (always the class default "quintic") and ``OptimizerConfig`` has no field for
