@@ -96,12 +96,11 @@ demo: install
 	  checkpoint.load=$(DEMO_RUN)/checkpoints logger.tensorboard_dir=$(DEMO_RUN)/tb_logs
 
 # PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's 26.08 run).
-# --dist loadgroup: tests marked xdist_group("x") share one worker (the layout matrix's two tests share its runs).
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --durations=15 $(PYTEST_ARGS)
 
 test-fast: install  # everything but the tests marked slow
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow"
+	$(PY) -m pytest -n 2 -m "not slow"
 
 generate: install  # regenerate yaml/<recipe>.yaml and docs/recipes.md from the Python recipes
 	$(PY) -m bridge_ext.generate

@@ -1,6 +1,6 @@
 """Each patch row that applies on this stack, switched off, must make its proving test fail (issue 39).
 
-    python tests/prove_patches.py [NAME ...] [--timeout S] [--json FILE]
+    python tests/prove_patches.py [NAME ...] [--no-redirects] [--timeout S] [--json FILE]
 
 For each row (default: every row that applies here and names a test, bridge_ext/patches/evidence.py) runs
 ``pytest <test> -x`` in a fresh process with ``BRIDGE_EXT_PATCHES_OFF=<row>`` and prints one line per row:
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*")
+    parser.add_argument("--no-redirects", action="store_true", help="leave out CPU mode's cuda-on-cpu rows")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from bridge_ext.patches.registry import SWITCH_OFF_ENV
 
     here = patches.applied_here()
-    names = args.names or [name for name in here if evidence.proven_by(name)]
+    names = args.names or [name for name in here if evidence.proven_by(name)
+                           and not (args.no_redirects and name.startswith("cuda-on-cpu "))]
     results, failed = [], False
     for name in names:
         test = evidence.proven_by(name)

@@ -8,7 +8,7 @@ plus the Qwen3 AdamW recipe on ``cpu-dp2`` with megatron-core's distributed opti
 ones each proxy ships (recipes/layouts.py): dense ``cpu``, ``cpu-dp2``, ``cpu-tp2``, ``cpu-pp2``; MoE those and
 ``cpu-ep2``, ``cpu-tp2-ep2``.
 
-Two tests, one run of the references and cycles (a module fixture, one xdist group): the cycle test on every
+Two tests, one run of the references and cycles (a fixture that runs it once per session): the cycle test on every
 stack (``stack``, ``matrix``), the pairs test also ``heavy`` (CI: 26.02 and newest). The whole measured 650-750
 CPU-seconds, 532 s of 26.08's CI selection beside its other tests, before the pairs moved to ``heavy``. How it stays
 cheap:
@@ -449,16 +449,36 @@ def run_matrix(tmp: Path, families: list[str]) -> Matrix:
     return Matrix(references, cycles + adamw_phases, scratch, here, distributed, refused, saved, times)
 
 
-@pytest.fixture(scope="module")
+_RUN: dict[str, Matrix] = {}
+
+
+@pytest.fixture
 def matrix(cpu_mode, tmp_path_factory) -> Matrix:
-    """The cycle selection, run once for this module's two tests (one xdist group: one worker runs both)."""
-    return run_matrix(tmp_path_factory.mktemp("matrix"), list(FAMILIES))
+    """The cycle selection, run once per test session for this module's two tests. pytest-xdist may hand them to
+    two workers (its module fixtures are not shared, and a group does not keep a worker's module fixture alive):
+    the first to ask runs it under a file lock in the session's shared directory, the other waits and reads it."""
+    import os
+    import pickle
+
+    from filelock import FileLock
+
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
+    if uid is None:  # one process: this process's run
+        if "run" not in _RUN:
+            _RUN["run"] = run_matrix(tmp_path_factory.mktemp("matrix"), list(FAMILIES))
+        return _RUN["run"]
+    shared = tmp_path_factory.getbasetemp().parent / f"layout-matrix-{uid}"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / "lock")):
+        saved = shared / "matrix.pickle"
+        if not saved.exists():
+            saved.write_bytes(pickle.dumps(run_matrix(shared, list(FAMILIES))))
+        return pickle.loads(saved.read_bytes())
 
 
 @pytest.mark.slow
 @pytest.mark.stack
 @pytest.mark.matrix
-@pytest.mark.xdist_group("layout-matrix")
 def test_every_family_saved_in_every_layout_exports_and_resumes_along_a_covering_cycle(matrix, nemo):
     """Qwen3, Qwen3-MoE, Kimi K2 and Moonlight proxies: from step 0 in every layout, the cycle (every layout a
     source and a target once), every export; AdamW DP2 -> 1 refused in one line."""
@@ -478,7 +498,6 @@ def test_every_family_saved_in_every_layout_exports_and_resumes_along_a_covering
 @pytest.mark.stack
 @pytest.mark.matrix
 @pytest.mark.heavy
-@pytest.mark.xdist_group("layout-matrix")
 def test_every_other_ordered_pair_of_layouts_resumes_with_the_reference_losses(matrix, tmp_path):
     """Every ordered pair of shipped layouts the cycle does not resume (Qwen3-MoE, Kimi K2 and Moonlight 24 each,
     Qwen3 8): a two-iteration resume of the cycle's checkpoint of the source in the target. ``heavy`` (CI: 26.02

@@ -569,6 +569,9 @@ def test_source_rewrites_are_few_and_none_is_on_the_gpu_path():
     assert not [name for name, p in rewrites.items() if p.scope in gpu_scopes]
     assert all(p.scope in ("cpu", "rehearse") or "Transformer Engine is not installed" in p.when
                for p in rewrites.values()), sorted(rewrites)
+    from bridge_ext.patches import evidence
+
+    assert set(evidence.NO_EXTENSION_POINT) == set(rewrites), "each rewrite says why no extension point fits"
     text = (REPO / "docs" / "patches.md").read_text()
     assert f"Source rewrites: {len(rewrites)} in all" in text
 

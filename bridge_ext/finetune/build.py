@@ -1,7 +1,7 @@
 """The fine-tuning parts of a recipe's Megatron Bridge SFT / PEFT ``ConfigContainer``.
 
 ``bridge_ext.build.template`` starts from Megatron Bridge's own fine-tuning template
-(``bridge_ext.patches.adapters.finetune_template``) and applies the recipe's three parts exactly as for pre-training
+(``bridge_ext.upstream_api.finetune_template``) and applies the recipe's three parts exactly as for pre-training
 (model provider from the shipped HF config, layout, optimizer preset); this module adds the fine-tuning data
 (``FinetuningDatasetConfig`` over the rendered JSONL; packed as Megatron Bridge packs when the recipe says so),
 the tokenizer and, for LoRA, Megatron Bridge's ``LoRA``.

@@ -12,7 +12,7 @@ tests/test_patches.py checks that every row has both.
 
 from __future__ import annotations
 
-__all__ = ["PROVEN_BY", "REPORTED", "proven_by", "reported"]
+__all__ = ["NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "proven_by", "reported"]
 
 _TRAIN = "tests/test_cpu_training.py::test_pretrain_muon_decreases_loss"
 _RESUME = "tests/test_cpu_training.py::test_resume_is_bit_exact"
@@ -122,6 +122,21 @@ REPORTED: dict[str, str] = {
     "training-log-attention-logit": "not needed from megatron-bridge 0.6 (its keyword call)",
     "muon-coefficient-types": "not needed from megatron-core 0.18 with emerging-optimizers 0.2 (read)",
     "scheduler-warmup-cap": "not needed from megatron-bridge 0.4.2 (read)",
+}
+
+
+# Why each source rewrite (Patch.how) has no extension point to use instead (docs/patches.md lists them).
+NO_EXTENSION_POINT: dict[str, str] = {
+    "te-import-guard": "the unguarded `import transformer_engine.pytorch` runs when upstream's module is imported, "
+                       "before any hook of ours can reach it; a stand-in `transformer_engine` in sys.modules would "
+                       "make megatron-core's own `import transformer_engine` succeed and turn its TE paths on",
+    "distrib-optimizer-cpu-types": "the CUDA type names are checked inline in DistributedOptimizer's "
+                                   "_build_model_and_main_param_groups (about 100 lines), and get_megatron_optimizer "
+                                   "builds the class by name: a subclass would copy the method",
+    "layer-wise-fp32-save": "the loop is inline in LayerWiseDistributedOptimizer.sharded_state_dict, a class "
+                            "megatron-core's Muon builder constructs by name: a subclass would copy the method",
+    "float16-optimizer-cpu-types": "the CUDA type names are checked inline in Float16OptimizerWithFloat16Params."
+                                   "__init__, which must run whole (it builds the fp32 main parameters)",
 }
 
 

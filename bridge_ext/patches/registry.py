@@ -264,11 +264,11 @@ def markdown() -> str:
         "",
         "How a row changes upstream (column \"how\"): a pre-wrap hook (Megatron Bridge's model-provider extension "
         "point: nothing upstream is changed), a replaced value (a wrapper, a subclass, a stand-in), an install "
-        f"(a hook into Python's import system), or a source rewrite. Source rewrites: {len(rewrites)} in all "
-        f"({', '.join(f'`{name}`' for name in rewrites)}), none on the GPU path: each recompiles one upstream "
-        "function from its text with a few exact replacements where no extension point reaches the code (CPU mode's "
-        "CUDA type checks and the layer-wise optimizer's fp32 save, the rehearsal's; the import guard, which binds "
-        "an unguarded module-level import before the module runs).",
+        f"(a hook into Python's import system), or a source rewrite. Source rewrites: {len(rewrites)} in all, none "
+        "on the GPU path; each recompiles one upstream function from its text with a few exact replacements, "
+        "where no extension point reaches the code:",
+        "",
+        *(f"- `{name}`: {evidence.NO_EXTENSION_POINT.get(name, 'no reason given')}." for name in rewrites),
         "",
         "\"Proven by\": the test that fails where the row applies once the row is switched off "
         f"(`{SWITCH_OFF_ENV}=<name>[,<name>...]`: a process leaves those rows out); `python tests/prove_patches.py "
