@@ -26,10 +26,12 @@ Before anything loads: :func:`bridge_ext.checkpoints.find_iteration` (pickles ve
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -256,7 +258,7 @@ def _no_data(iter_dir: Path) -> UserError:
 
 
 def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None,
-            split: str | None = None) -> tuple[Any, str]:
+            split: str | None = None, tp: int | None = None) -> tuple[Any, str]:
     from megatron.bridge.training.config import ConfigContainer
 
     from bridge_ext.inference.model import read_run_config, without_runtime_objects
@@ -273,6 +275,12 @@ def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens
         cfg.tokenizer.tokenizer_model = str(checkpoint_tokenizer(ckpt, iter_dir, run_config).directory)
     else:
         cfg = ConfigContainer.from_dict(without_runtime_objects(run_config))
+    if tp is not None:  # the checkpoint is resharded on load (torch_dist)
+        cfg.model.tensor_model_parallel_size = tp
+        if hasattr(cfg.model, "expert_tensor_parallel_size"):
+            cfg.model.expert_tensor_parallel_size = tp
+        if tp == 1:
+            cfg.model.sequence_parallel = False
     root = iter_dir.parent
     c = cfg.checkpoint
     c.load, c.ckpt_step, c.load_optim, c.load_rng, c.finetune = str(root), number, False, False, False
@@ -325,8 +333,24 @@ class _Capture:
         return Capture()
 
 
+def _fit_batch(cfg: Any, world: int) -> None:
+    """The global batch split over this launch's data-parallel ranks: the micro batch shrinks to the global batch /
+    data-parallel size when the run's does not divide it (the loss is a token-weighted mean over the same global
+    batches either way)."""
+    m = cfg.model
+    model_parallel = (m.tensor_model_parallel_size or 1) * (m.pipeline_model_parallel_size or 1) * (
+        m.context_parallel_size or 1)
+    dp = max(world // model_parallel, 1)
+    train = cfg.train
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        if train.global_batch_size % dp:
+            raise UserError(f"the run's global batch of {train.global_batch_size} does not split over {dp} "
+                            "data-parallel ranks; launch a number of processes that divides it")
+        train.micro_batch_size = train.global_batch_size // dp
+
+
 def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: int | None,
-         split: str | None) -> tuple[Any, str, Any]:
+         split: str | None, tp: int | None = None) -> tuple[Any, str, Any]:
     import gc
 
     import torch
@@ -339,12 +363,15 @@ def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: i
         from bridge_ext import cpu as cpu_mode
 
         cpu_mode.enable_cpu_mode()
-    cfg, described = _config(ckpt, iter_dir, number, data=data, tokens=tokens, split=split)
+    cfg, described = _config(ckpt, iter_dir, number, data=data, tokens=tokens, split=split, tp=tp)
+    from bridge_ext.runtime import world_size
+
     if cpu:
         from bridge_ext.cpu import configure_for_cpu
 
-        configure_for_cpu(cfg)
+        configure_for_cpu(cfg)  # keeps the parallel sizes this launch holds; one process: every size 1
         cfg.dataset.num_workers = 0
+    _fit_batch(cfg, world_size())
     if getattr(cfg.tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer":
         from bridge_ext.tokenizers import use_megatron_tokenizer
 
@@ -368,9 +395,33 @@ def _run(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens: i
     return cfg, described, capture
 
 
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """Several CPU processes (torchrun, no GPU): CPU mode and one gloo group for every evaluated iteration (each
+    ``pretrain()`` makes and ends its own groups inside it); otherwise nothing (one process: :func:`_run` makes
+    an in-memory group per iteration; GPUs: Megatron Bridge's initialization)."""
+    import torch
+
+    from bridge_ext.runtime import world_size
+
+    if world_size() == 1 or torch.cuda.is_available() or torch.distributed.is_initialized():
+        yield
+        return
+    from bridge_ext import cpu as cpu_mode
+    from bridge_ext.inference.model import quiet_native_output
+
+    cpu_mode.enable_cpu_mode()
+    with quiet_native_output(True):  # gloo's "[Gloo] Rank R is connected ..."
+        cpu_mode.init_cpu_distributed()
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | None = None,
                         tokens: int | None = None, split: str | None = None, checksums: bool = True,
-                        verbose: bool = False) -> Evaluated:
+                        verbose: bool = False, tp: int | None = None) -> Evaluated:
     """One iteration's held-out loss (see the module's docstring)."""
     from bridge_ext.checkpoints.integrity import verify
 
@@ -379,7 +430,7 @@ def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | 
     from bridge_ext.inference.model import quiet_native_output
 
     with quiet_upstream(verbose=verbose), quiet_native_output(not verbose):
-        cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens, split=split)
+        cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens, split=split, tp=tp)
     if capture.loss is None:
         raise UserError(f"Megatron Bridge's evaluation of {iter_dir} returned no loss (no validation data?)")
     batch = cfg.train.global_batch_size * cfg.model.seq_length
@@ -431,10 +482,20 @@ def _table(rows: list[Evaluated]) -> str:
 
 def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool = False, data: str | None = None,
                  tokens: int | None = None, split: str | None = None, out: Path | None = None,
-                 as_json: bool = False, checksums: bool = True, verbose: bool = False) -> list[Evaluated]:
-    """The command: every selected iteration of every ``--ckpt``; a table (or JSON lines); CSV + PNG in ``out``."""
+                 as_json: bool = False, checksums: bool = True, verbose: bool = False,
+                 tp: int | None = None) -> list[Evaluated]:
+    """The command: every selected iteration of every ``--ckpt``; a table (or JSON lines); CSV + PNG in ``out``.
+
+    Under torchrun every process runs this; Megatron Bridge's evaluation splits the work (``tp``: tensor parallel
+    size, else the run's where the launch holds it; the other processes: data-parallel ranks) and rank 0 prints
+    and writes. On CPU one gloo group serves every evaluated iteration."""
+    from bridge_ext.runtime import is_rank_zero, world_size
+
     if out is not None and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is not a directory")
+    if tp is not None and world_size() % tp:
+        raise UserError(f"--tp {tp} needs a multiple of {tp} processes; this launch has {world_size()} "
+                        f"(torchrun --nproc-per-node {tp})")
     plan = [(ckpt, iter_dir, number) for ckpt in ckpts
             for iter_dir, number in select_iterations(ckpt, iteration=iteration, every=every)]  # all checked first
     if data is None:
@@ -443,14 +504,18 @@ def run_evaluate(*, ckpts: list[Path], iteration: int | None = None, every: bool
         for _, iter_dir, _ in plan:
             if _is_import(read_run_config(iter_dir)):
                 raise _no_data(iter_dir)
-    rows = []
-    for ckpt, iter_dir, number in plan:
-        print(f"evaluating {ckpt} iteration {number} ...", file=sys.stderr, flush=True)
-        row = evaluate_checkpoint(ckpt, iter_dir, number, data=data, tokens=tokens, split=split,
-                                  checksums=checksums, verbose=verbose)
-        rows.append(row)
-        if as_json:
-            print(json.dumps(asdict(row)), flush=True)
+    with _process_group():
+        rows = []
+        for ckpt, iter_dir, number in plan:
+            if is_rank_zero():
+                print(f"evaluating {ckpt} iteration {number} ...", file=sys.stderr, flush=True)
+            row = evaluate_checkpoint(ckpt, iter_dir, number, data=data, tokens=tokens, split=split,
+                                      checksums=checksums, verbose=verbose, tp=tp)
+            rows.append(row)
+            if as_json and is_rank_zero():
+                print(json.dumps(asdict(row)), flush=True)
+    if not is_rank_zero():
+        return rows
     if not as_json:
         print(f"data: {rows[0].data}")
         print(_table(rows))

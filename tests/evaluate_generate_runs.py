@@ -7,7 +7,8 @@ both run in one process; under pytest-xdist each worker makes what its tests ask
   Makefile's own ``demo`` command line, read from the Makefile) with 2 iterations, validated at iteration 2.
 * ``exported(factory, name)``: its ``nemo llm export``.
 * ``imported(factory)``: a tiny Qwen3 HF directory (tests/hf_fixtures.py) and its ``nemo llm import``.
-* ``transformers_greedy(hf, prompt, new)``: the reference for generate.
+* ``transformers_greedy(hf, prompt, new)``: the reference for generate; ``printed_validation(ckpt)``: the one for
+  evaluate (what the training loop printed).
 """
 
 from __future__ import annotations
@@ -92,3 +93,13 @@ def transformers_greedy(hf: Path, prompt: str, new: int) -> list[int]:
     out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tok.eod, pad_token_id=tok.eod,
                          attention_mask=torch.ones_like(ids))
     return out[0, ids.shape[1]:].tolist()
+
+
+def printed_validation(ckpt: Path) -> dict[int, list[tuple[str, str]]]:
+    """What the training loop printed: iteration -> [(loss, PPL)] as Megatron Bridge formats them (upstream.log
+    keeps the run's full output)."""
+    found: dict[int, list[tuple[str, str]]] = {}
+    pattern = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|")
+    for match in pattern.finditer((ckpt / "upstream.log").read_text()):
+        found.setdefault(int(match[1]), []).append((match[2], match[3]))
+    return found

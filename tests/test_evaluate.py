@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -37,14 +36,7 @@ def runs(tmp_path_factory):
     return _Runs(tmp_path_factory)
 
 
-def printed_validation(ckpt: Path) -> dict[int, list[tuple[str, str]]]:
-    """What the training loop printed: iteration -> [(loss, PPL)] as Megatron Bridge formats them (upstream.log
-    keeps the run's full output)."""
-    found: dict[int, list[tuple[str, str]]] = {}
-    pattern = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|")
-    for match in pattern.finditer((ckpt / "upstream.log").read_text()):
-        found.setdefault(int(match[1]), []).append((match[2], match[3]))
-    return found
+printed_validation = shared.printed_validation
 
 
 @pytest.mark.stack

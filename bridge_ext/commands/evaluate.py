@@ -42,6 +42,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=None,
                    help="held-out tokens to evaluate (rounded up to whole global batches; default: the run's "
                    "eval_iters, or 16 batches when it had none)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="under torchrun: tensor-parallel size of the evaluation (default: the run's, where the "
+                   "launch holds it); the other processes are data-parallel ranks. The checkpoint is resharded")
     p.add_argument("--out", type=Path, default=None, help="directory for evaluate.csv and evaluate.png")
     p.add_argument("--json", action="store_true", help="one JSON object per evaluated iteration on stdout")
     p.add_argument("--verbose", action="store_true", help="show Megatron's own output")
@@ -55,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens is not None and args.tokens < 1:
         raise UserError("--tokens must be at least 1")
+    if args.tp is not None and args.tp < 1:
+        raise UserError("--tp must be at least 1")
     if args.split is not None:
         parts = args.split.replace("/", ",").split(",")
         try:
@@ -69,14 +74,19 @@ def run(args: argparse.Namespace) -> int:
         from bridge_ext.evaluate import run_choices
 
         stray = [name for name, value in (("--data", args.data), ("--tokens", args.tokens), ("--out", args.out),
-                                          ("--split", args.split)) if value is not None]
+                                          ("--split", args.split), ("--tp", args.tp)) if value is not None]
         if stray:
             raise UserError(f"{stray[0]} does not apply to --choices (accuracy, not loss)")
+        from bridge_ext.runtime import launcher_world_size
+
+        if (launcher_world_size() or 1) > 1:
+            raise UserError("--choices runs in one process: launch it without torchrun")
         run_choices(ckpts=args.ckpt, choices=args.choices, iteration=args.iteration, every=args.all,
                     as_json=args.json, checksums=args.checksums, verbose=args.verbose, tokenizer=args.tokenizer)
         return 0
     if args.tokenizer is not None:
         raise UserError("--tokenizer applies to --choices (the loss uses the tokenizer of the run or of --data)")
     run_evaluate(ckpts=args.ckpt, iteration=args.iteration, every=args.all, data=args.data, tokens=args.tokens,
-                 split=args.split, out=args.out, as_json=args.json, checksums=args.checksums, verbose=args.verbose)
+                 split=args.split, out=args.out, as_json=args.json, checksums=args.checksums, verbose=args.verbose,
+                 tp=args.tp)
     return 0

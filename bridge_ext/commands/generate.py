@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--iteration applies to --ckpt, not --hf")
     if args.batch_size < 1:
         raise UserError("--batch-size must be at least 1")
+    from bridge_ext.runtime import launcher_world_size
+
+    if (launcher_world_size() or 1) > 1:
+        raise UserError("generate runs in one process: launch it without torchrun")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
