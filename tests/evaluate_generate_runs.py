@@ -1,6 +1,7 @@
-"""The checkpoints tests/test_evaluate.py and tests/test_generate.py share: each is made once per test process, when
-a test first asks for it, under pytest's session temporary directory (so a run both modules use trains once when
-both run in one process; under pytest-xdist each worker makes what its tests ask for).
+"""The checkpoints tests/test_evaluate.py, tests/test_evaluate_parallel.py and tests/test_generate.py share: each is
+made once per test session, when a test first asks for it: in one process, under pytest's temporary directory;
+under pytest-xdist (whose workers share no fixture), the first worker to ask makes it under a file lock in the
+session's shared directory and the others wait and use it.
 
 * ``trained(factory, name)``: a proxy trained by the `nemo` command in this process, 2 iterations, saved and
   validated (1 global batch) at each; ``demo``: the Kimi K2 proxy exactly as ``make demo`` trains it (the
@@ -13,9 +14,13 @@ both run in one process; under pytest-xdist each worker makes what its tests ask
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hf_fixtures
 from tests.nemo_cli import call_nemo
@@ -28,7 +33,7 @@ DEMO_TINY = ["train.train_iters=2", "train.eval_interval=2", "train.eval_iters=1
 RECIPES = {"qwen3": "qwen3_proxy_muon", "adamw": "qwen3_proxy_adamw", "qwen3_moe": "qwen3_moe_proxy_muon",
            "moonlight": "moonlight_proxy_muon"}
 
-_made: dict[str, object] = {}
+_made: dict[str, Any] = {}
 
 
 def demo_command(run_dir: Path) -> list[str]:
@@ -41,10 +46,30 @@ def demo_command(run_dir: Path) -> list[str]:
     return argv[1:]
 
 
+def _once(factory, key: str, make: Callable[[Path], Any]) -> Any:
+    """``make(root)`` once per session (the module's docstring); its result, which is pickled for other workers."""
+    if key in _made:
+        return _made[key]
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
+    if uid is None:  # one process
+        _made[key] = make(factory.mktemp(key.replace("/", "-")))
+        return _made[key]
+    from filelock import FileLock
+
+    root = factory.getbasetemp().parent / f"evaluate-generate-{uid}" / key.replace("/", "-")
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{root}.lock"):
+        saved = root / "made.pickle"
+        if not saved.exists():
+            saved.write_bytes(pickle.dumps(make(root)))
+        _made[key] = pickle.loads(saved.read_bytes())
+    return _made[key]
+
+
 def trained(factory, name: str) -> Path:
     """The checkpoint root (``checkpoint.save``) of the run ``name`` (the module's docstring)."""
-    if name not in _made:
-        root = factory.mktemp(name)
+
+    def make(root: Path) -> Path:
         if name == "demo":
             argv = [*demo_command(root / "demo"), *DEMO_TINY]
             ckpt = root / "demo" / "checkpoints"
@@ -53,29 +78,31 @@ def trained(factory, name: str) -> Path:
             ckpt = root / RECIPES[name]
             argv = ["llm", "pretrain", "--recipe", RECIPES[name], f"checkpoint.save={ckpt}", *SAVE_AND_VALIDATE_EACH]
         assert call_nemo(argv, capture=None, cwd=root).code == 0
-        _made[name] = ckpt
-    return _made[name]
+        return ckpt
+
+    return _once(factory, name, make)
 
 
 def exported(factory, name: str) -> Path:
     """``nemo llm export`` of :func:`trained` ``name`` (its latest iteration)."""
-    key = f"{name}/hf"
-    if key not in _made:
-        ckpt = trained(factory, name)
-        hf = ckpt.parent / f"{ckpt.name}-hf"
-        assert call_nemo(["llm", "export", "--ckpt", ckpt, "--out", hf], capture=None).code == 0
-        _made[key] = hf
-    return _made[key]
+    ckpt = trained(factory, name)
+
+    def make(root: Path) -> Path:
+        assert call_nemo(["llm", "export", "--ckpt", ckpt, "--out", root / "hf"], capture=None).code == 0
+        return root / "hf"
+
+    return _once(factory, f"{name}/hf", make)
 
 
 def imported(factory) -> dict[str, Path]:
     """``{"hf": a tiny Qwen3 HF directory with its tokenizer, "ckpt": its nemo llm import}``."""
-    if "import" not in _made:
-        root = factory.mktemp("import")
+
+    def make(root: Path) -> dict[str, Path]:
         hf = hf_fixtures.qwen3_dir(root / "hf")
         assert call_nemo(["llm", "import", "--hf", hf, "--out", root / "mg"], capture=None).code == 0
-        _made["import"] = {"hf": hf, "ckpt": root / "mg"}
-    return _made["import"]
+        return {"hf": hf, "ckpt": root / "mg"}
+
+    return _once(factory, "import", make)
 
 
 def transformers_greedy(hf: Path, prompt: str, new: int) -> list[int]:
