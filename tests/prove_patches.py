@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {results[-1]['result']}", flush=True)
             continue
         start = time.time()
-        env = {**os.environ, SWITCH_OFF_ENV: name}
+        env = {**os.environ, SWITCH_OFF_ENV: ",".join((name, *evidence.SWITCHED_WITH.get(name, ())))}
         try:
             done = subprocess.run([sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],
                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -108,3 +108,23 @@ def test_torch_norm_sequence_parallel(cpu_mode):
     plain = copy.copy(config)
     plain.sequence_parallel = False
     assert getattr(WrappedTorchNorm(plain, 8).weight, "sequence_parallel", False) is False
+
+
+def test_mla_latent_norm_eps_is_deepseek_v3s(moonlight):
+    """megatron-core's MLA normalizes the KV latent with the block's ``layernorm_epsilon`` (Moonlight: 1e-5);
+    transformers' ``DeepseekV3Attention`` (the released modeling code) builds that norm with RMSNorm's default.
+    The row (``mla-latent-norm-eps``; its conversion twin shares the code) gives Megatron's the same eps."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from bridge_ext import patches
+    from bridge_ext.hf import load_hf_config
+    from recipes import get_recipe
+    from recipes.models import HF_CONFIGS
+
+    patches.apply("stack")
+    hf = load_hf_config(HF_CONFIGS / get_recipe("moonlight_proxy_muon").model.name)
+    want = DeepseekV3Attention(hf, layer_idx=0).kv_a_layernorm.variance_epsilon
+    assert hf.rms_norm_eps == moonlight.layernorm_epsilon == 1e-5 and want != hf.rms_norm_eps
+    model = moonlight.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+    attention = model.decoder.layers[0].self_attention
+    assert attention.kv_layernorm.eps == want

@@ -12,7 +12,7 @@ tests/test_patches.py checks that every row has both.
 
 from __future__ import annotations
 
-__all__ = ["NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "proven_by", "reported"]
+__all__ = ["NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "SWITCHED_WITH", "proven_by", "reported"]
 
 _TRAIN = "tests/test_cpu_training.py::test_pretrain_muon_decreases_loss"
 _RESUME = "tests/test_cpu_training.py::test_resume_is_bit_exact"
@@ -25,7 +25,7 @@ _LEAKS = "tests/test_cpu_mode.py::test_training_runs_in_one_process_free_their_m
 _KILLS = "tests/test_kill_safe.py::test_killed_at_every_stage_of_a_save_resumes_exactly"
 _REHEARSE = "tests/test_rehearse.py::test_kimi_k2_last_rank_layer_wise_muon_equals_plan"
 _KIMI_EXPORT = "tests/test_convert.py::test_kimi_export_reproduces_config_and_loads_into_deepseek_v3"
-_MOONLIGHT_HF = "tests/test_moonlight.py::test_hf_round_trip_and_recipe_cycle_without_remote_code"
+_LATENT_EPS = "tests/test_patches_needed.py::test_mla_latent_norm_eps_is_deepseek_v3s"
 _SPLIT = "tests/test_muon_split.py::test_split_gate_up_matches_moonlight_on_the_hf_weights"
 _NS = "tests/test_same_run_across_stacks.py::test_ns_coefficients_that_run"
 _NONPOSITIVE = "tests/test_upstream_muon_bugs.py::test_qk_clip_leaves_a_head_with_a_nonpositive_max_logit_untouched"
@@ -40,26 +40,28 @@ PROVEN_BY: dict[str, str] = {
     "muon-gate-up-params": _SPLIT,
     "muon-gate-up-split": _SPLIT,
     "muon-gate-up-split (emerging_optimizers)": _SPLIT,
-    "muon-clip-any-wrapper": "tests/test_muon.py::test_qk_clip_brings_forced_heads_to_the_threshold",
+    "muon-clip-any-wrapper": "tests/test_muon.py::test_pretrain_with_kimi_k2_preset_logs_telemetry",
     "muon-lora-no-empty-adam": "tests/test_finetune.py::test_lora_trains_only_adapters_and_merged_export_matches_megatron",
     "muon-coefficient-types": _NS,
     "qk-clip-nonpositive-logit-mla": _NONPOSITIVE,
-    "qk-clip-nonpositive-logit-gqa": _NONPOSITIVE,
-    "mla-latent-norm-eps": _MOONLIGHT_HF,
-    "mla-latent-norm-eps (conversion)": _MOONLIGHT_HF,
+    "qk-clip-nonpositive-logit-gqa": ("tests/test_upstream_muon_bugs.py::"
+                                      "test_qk_clip_as_it_runs_now_keeps_a_negative_head_on_mla_and_gqa"),
+    "mla-latent-norm-eps": _LATENT_EPS,
+    "mla-latent-norm-eps (conversion)": _LATENT_EPS,
     "mla-q-projection-without-norm": _MODELS,
-    "mla-q-projection-without-norm (conversion)": _MOONLIGHT_HF,
+    "mla-q-projection-without-norm (conversion)": _MODELS,
     "mla-rope-key-grad-tp": _LAYOUTS,
     "qk-clip-gqa-tp-shapes": "tests/test_muon_layouts.py::test_qk_clip_at_tp2_scales_each_query_group_as_one_process_does",
     "tp-weight-attributes-without-init": ("tests/test_tp_weight_attributes.py::"
                                           "test_the_hook_is_registered_exactly_where_the_installed_code_needs_it"),
-    "prebuilt-dataset-helpers": "tests/test_data.py::test_corpus_builds_a_readable_indexed_dataset",
-    "scheduler-warmup-cap": "tests/test_muon.py::test_kimi_k2_schedule_shape_on_1000_iterations",
-    "validate-without-gpu": "tests/test_cpu_mode.py::test_validation_without_gpu_turns_off_only_te_kernel_flags",
+    "prebuilt-dataset-helpers": "tests/test_patches.py::test_dataset_helpers_are_the_prebuilt_ones",
+    "scheduler-warmup-cap": "tests/test_patches.py::test_a_short_run_caps_the_warm_up_on_every_stack",
+    "validate-without-gpu": "tests/test_dry_run_stack.py::test_the_dry_run_names_the_stack_and_the_fixes_it_applies",
     "yaml-signal-target": "tests/test_override_walk.py::test_the_walk_of_optimizer_lr_visits_each_file_once",
     "training-log-attention-logit": "tests/test_muon.py::test_pretrain_with_kimi_k2_preset_logs_telemetry",
     "sft-batches-in-dataset-order": "tests/test_finetune.py::test_finetuning_loaders_read_the_records_in_dataset_order",
-    "sft-epochs-after-resume-from-the-start": "tests/test_finetune.py::test_sft_eval_loss_falls_and_resume_is_bit_exact",
+    "sft-epochs-after-resume-from-the-start": ("tests/test_finetune.py::"
+                                              "test_finetuning_loaders_read_the_records_in_dataset_order"),
     "manual-gc-restored": _LEAKS,
     "ddp-hook-cycle": _LEAKS,
     "atomic-checkpoint-save": _KILLS,
@@ -94,6 +96,15 @@ PROVEN_BY: dict[str, str] = {
     "float16-optimizer-cpu-types": _REHEARSE,
     "local-l2-norm-fake": _REHEARSE,
     "fake-balanced-moe-dispatch": "tests/test_rehearse.py::test_proxy_micro_batch_fake_equals_real_and_hand_flops",
+}
+
+# Twin rows: the same change in two scopes (a conversion process applies the conversion scope, a run the stack
+# scope, a test process both); each is proven with its twin off too.
+SWITCHED_WITH: dict[str, tuple[str, ...]] = {
+    "mla-latent-norm-eps": ("mla-latent-norm-eps (conversion)",),
+    "mla-latent-norm-eps (conversion)": ("mla-latent-norm-eps",),
+    "mla-q-projection-without-norm": ("mla-q-projection-without-norm (conversion)",),
+    "mla-q-projection-without-norm (conversion)": ("mla-q-projection-without-norm",),
 }
 
 # CPU mode's CUDA redirects by the run that reaches the module: checkpoint saves, several processes, conversion

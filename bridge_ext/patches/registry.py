@@ -132,7 +132,8 @@ SWITCH_OFF_ENV = "BRIDGE_EXT_PATCHES_OFF"
 
 
 def switched_off() -> frozenset[str]:
-    """The rows named in ``BRIDGE_EXT_PATCHES_OFF`` (comma-separated): :func:`apply` leaves them out."""
+    """The rows named in ``BRIDGE_EXT_PATCHES_OFF`` (comma-separated): :func:`apply` and :func:`temporarily` leave
+    them out."""
     return frozenset(n.strip() for n in os.environ.get(SWITCH_OFF_ENV, "").split(",") if n.strip())
 
 
@@ -174,7 +175,7 @@ def register_hooks(provider: Any) -> tuple[str, ...]:
 @contextlib.contextmanager
 def temporarily(scope: Scope) -> Iterator[tuple[str, ...]]:
     """Apply the scope's needed patches for the duration of a ``with`` block, then restore upstream's values."""
-    needed = [p for p in rows(scope) if p.name not in _applied and p.needed()]
+    needed = [p for p in rows(scope) if p.name not in _applied and p.name not in switched_off() and p.needed()]
     found = [line for p in needed for line in problems(p)]
     if found:
         raise UpstreamDrift(f"{_WHAT.get(scope, scope)} does not fit the installed code: {found[0]}")
