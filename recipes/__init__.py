@@ -13,6 +13,7 @@ from typing import Any
 from recipes.budget import (UNSTATED_TRAIN_ITERS, RunLength, derived_schedule, iters_for_tokens, run_length,
                             tokens_per_step)
 from recipes.errors import UserError, closest
+from recipes.families import MUON_PRESET_BY_FAMILY, PROXY_OVERRIDES_BY_MODEL
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
 from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin
@@ -93,33 +94,14 @@ class Recipe:
                           lr_wsd_decay_iters=sched.get("lr_wsd_decay_iters"))
 
 
-# Muon preset each model family's `_muon` recipe uses, and why (shown on the recipe cards); the `_adamw`
-# twin uses AdamW with the same learning rate, schedule and weight decay (recipes.optimizers.adamw_twin).
-_MUON_PRESET_BY_FAMILY = {
-    "kimi_k2": ("kimi_k2", "the paper's own recipe: MLA has no QK-norm, so MuonClip's QK-clip is what bounds "
-                "the attention logits (Kimi K2 trained 15.5 T tokens without a loss spike with it)"),
-    "qwen3": ("moonlight", "paper-faithful Muon whose update RMS matches AdamW's, so AdamW's learning rate and "
-              "weight decay transfer; Qwen3's QK-norm already bounds the logits (weight-level QK-clip is a "
-              "no-op under it)"),
-}
-_MUON_PRESET_BY_FAMILY["qwen3_moe"] = _MUON_PRESET_BY_FAMILY["qwen3"]
-# DeepSeek-V3's architecture as Moonlight-16B-A3B has it (the one model of that family shipped): its own run
-_MUON_PRESET_BY_FAMILY["deepseek_v3"] = (
-    "moonlight_16b", "Moonlight's own pre-training run (arXiv 2502.16982, sec. 3.3), the run Muon's scaling claims "
-    "rest on; its AdamW twin is the paper's Moonlight-A (the same settings with AdamW)")
-
 # Proxies run 50-200 iterations instead of 10^5-10^6: the schedule is shortened (the same shape).
 # Learning rates tuned once on qwen3_proxy with `nemo llm compare` over 1e-3..2e-2, 200 iterations, two
 # seeds (docs/cpu.md): the best mean loss of the last 10 iterations for each optimizer. Each optimizer
 # gets its own best rate, so an A/B compares optimizers at their best, not at one shared rate.
+# A proxy whose own sweep found another best rate: its family module's PROXY_OVERRIDES (Moonlight's AdamW).
 _PROXY_OVERRIDES = {
     "muon": {"optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3},
     "adamw": {"optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4},
-}
-# Where one proxy's own sweep (docs/cpu.md, 200 iterations, seeds 1234 and 2) found another best rate: the Moonlight
-# proxy's AdamW at 1e-2 ends 0.06-0.10 below 3e-3 on both seeds (2e-2 diverges), so its A/B runs AdamW at its best.
-_PROXY_OVERRIDES_BY_MODEL = {
-    ("moonlight_proxy", "adamw"): {"optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3},
 }
 _PROXY_COMMON = {"scheduler.lr_warmup_iters": 5, "train.train_iters": 50, "train.eval_interval": 1000,
                  "train.eval_iters": 0, "logger.log_interval": 5, "checkpoint.save_interval": 25}
@@ -129,9 +111,11 @@ _PROXY_WHY = ("a tiny model of the same architecture and optimizer preset; only 
 
 
 def _compose() -> dict[str, Recipe]:
+    """Each model's ``_muon`` recipe on its family's Muon preset (``recipes/families/<family>.py``, ``MUON_PRESET``)
+    and its ``_adamw`` twin, on the model's layouts."""
     recipes = {}
     for model_name, model in MODELS.items():
-        preset_name, preset_why = _MUON_PRESET_BY_FAMILY[model.family]
+        preset_name, preset_why = MUON_PRESET_BY_FAMILY[model.family]
         muon = PRESETS[preset_name]
         for suffix, preset, twin in (("muon", muon, "adamw"), ("adamw", adamw_twin(muon), "muon")):
             name = f"{model_name}_{suffix}"
@@ -143,7 +127,7 @@ def _compose() -> dict[str, Recipe]:
                 layouts=LAYOUTS[model_name],
                 twin=f"{model_name}_{twin}",
                 overrides={**_PROXY_COMMON, **_PROXY_OVERRIDES[suffix],
-                           **_PROXY_OVERRIDES_BY_MODEL.get((model_name, suffix), {})} if proxy else {},
+                           **PROXY_OVERRIDES_BY_MODEL.get((model_name, suffix), {})} if proxy else {},
                 why=_PROXY_WHY if proxy else "",
                 preset_why=preset_why if suffix == "muon" else f"the A/B twin of {model_name}_muon",
             )

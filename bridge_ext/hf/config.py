@@ -4,7 +4,8 @@ Kimi K2's ``config.json`` says ``model_type: kimi_k2`` with an ``auto_map`` into
 ``configuration_deepseek.py``; transformers does not know that type. The architecture is DeepSeek-V3
 (``architectures: ["DeepseekV3ForCausalLM"]``), so we build transformers' own ``DeepseekV3Config`` from it.
 Which ``model_type`` builds which is recipe data: :data:`recipes.families.FAMILIES`
-(``transformers_model_type``), read when a config is loaded.
+(``transformers_model_type``), read when a config is loaded. Each family's module (``recipes.families.kimi_k2``,
+...) names the functions here that concern it (``HF_CONFIG_FIXES``).
 """
 
 from __future__ import annotations
