@@ -105,9 +105,9 @@ def imported(factory) -> dict[str, Path]:
     return _once(factory, "import", make)
 
 
-def transformers_greedy(hf: Path, prompt: str, new: int) -> list[int]:
+def transformers_greedy(hf: Path, prompt: str | list[str], new: int) -> list[int] | list[list[int]]:
     """The reference: transformers' own greedy generate() on an HF directory (an export, an import's source), the
-    tokenizer from that directory."""
+    tokenizer from that directory; one prompt at a time (a list of prompts: the model loaded once)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -116,10 +116,13 @@ def transformers_greedy(hf: Path, prompt: str, new: int) -> list[int]:
 
     tok = load_tokenizer(hf)
     model = AutoModelForCausalLM.from_pretrained(hf, config=load_hf_config(hf), dtype=torch.float32)
-    ids = torch.tensor([tok.encode(prompt)])
-    out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tok.eod, pad_token_id=tok.eod,
-                         attention_mask=torch.ones_like(ids))
-    return out[0, ids.shape[1]:].tolist()
+    out = []
+    for text in [prompt] if isinstance(prompt, str) else prompt:
+        ids = torch.tensor([tok.encode(text)])
+        generated = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tok.eod,
+                                   pad_token_id=tok.eod, attention_mask=torch.ones_like(ids))
+        out.append(generated[0, ids.shape[1]:].tolist())
+    return out[0] if isinstance(prompt, str) else out
 
 
 def printed_validation(ckpt: Path) -> dict[int, list[tuple[str, str]]]:

@@ -220,8 +220,6 @@ def test_mock_data_gives_a_finite_loss(nemo, runs):
 def test_a_text_file_tokenized_on_the_fly_equals_its_prepare_data_prefix(nemo, runs, tmp_path):
     text = tmp_path / "held.txt"
     text.write_text(HELD_OUT)
-    jsonl = tmp_path / "held.jsonl"
-    jsonl.write_text(json.dumps({"text": HELD_OUT}) + "\n")
     from bridge_ext.data import PROXY_TOKENIZER_DIR
 
     prefix = tmp_path / "prepared" / "held"
@@ -232,7 +230,17 @@ def test_a_text_file_tokenized_on_the_fly_equals_its_prepare_data_prefix(nemo, r
     prepared = _loss(nemo, "--ckpt", runs["muon"], "--data", prefix, "--split", "0,1,0")
     assert math.isfinite(on_the_fly["loss"]) and "all of it (0,1,0)" in on_the_fly["data"]
     assert on_the_fly["loss"] == prepared["loss"]  # the same tokens, the same batches, the same forward
-    assert _loss(nemo, "--ckpt", runs["muon"], "--data", jsonl)["loss"] == on_the_fly["loss"]  # one document
+
+
+@pytest.mark.once  # reading a JSONL file is ours: the same document as the text file, the same loss
+@pytest.mark.slow
+def test_a_jsonl_file_of_one_document_equals_the_same_text(nemo, runs, tmp_path):
+    text = tmp_path / "held.txt"
+    text.write_text(HELD_OUT)
+    jsonl = tmp_path / "held.jsonl"
+    jsonl.write_text(json.dumps({"text": HELD_OUT}) + "\n")
+    assert _loss(nemo, "--ckpt", runs["muon"], "--data", jsonl)["loss"] == _loss(nemo, "--ckpt", runs["muon"],
+                                                                                "--data", text)["loss"]
 
 
 # ------------------------------------------------- a checkpoint as `make demo` makes it, an imported HF proxy
@@ -298,7 +306,7 @@ def test_both_commands_on_a_checkpoint_imported_from_hf(nemo, tmp_path_factory, 
                    "--max-new-tokens", "8"])
     assert result.code == 0, result.stderr[-3000:]
     got = [json.loads(line)["tokens"] for line in result.stdout.strip().splitlines()]
-    assert got == [shared.transformers_greedy(run["hf"], p, 8) for p in prompts]
+    assert got == shared.transformers_greedy(run["hf"], prompts, 8)
 
 
 @pytest.mark.once  # the refusal is ours; mock data on every stack: test_mock_data_gives_a_finite_loss

@@ -1,53 +1,51 @@
-"""``nemo llm evaluate`` under torchrun on CPU (two processes, gloo): at TP2 the held-out loss equals the one-process
-number and what the training loop printed, within 1e-5 (fp32; TP splits each matmul's and the cross-entropy's sums
-over two ranks); rank 0 alone prints. The Muon run is tests/evaluate_generate_runs.py's (trained once per process).
+"""``nemo llm evaluate`` and ``nemo llm generate`` under torchrun on CPU (two processes, gloo, one launch for both:
+tests/evaluate_generate_rank_driver.py), on the run ``make demo`` makes (Kimi K2 proxy: MLA + MoE), at TP2: the
+held-out loss equals the one-process number and what the training loop printed, within 1e-5 (fp32; TP splits each
+matmul's and the cross-entropy's sums over two ranks); greedy text equals transformers' on the export, token for
+token; rank 0 alone prints. The run is tests/evaluate_generate_runs.py's (made once per session).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import evaluate_generate_runs as shared
+from tests.parallel_driver import torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).resolve().with_name("evaluate_generate_rank_driver.py")
 TOLERANCE = 1e-5  # nats, on a loss of ~8.3: TP's float summation order
-
-
-def torchrun_evaluate(argv: list, *, nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node NPROC -m bridge_ext.commands llm evaluate ARGV`` from this interpreter's venv and
-    this checkout, on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "bridge_ext.commands", "llm",
-               "evaluate", *map(str, argv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, (
-        str(ROOT), os.environ.get("PYTHONPATH"))))}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+PROMPTS = ["def main(", "import os\nclass ", "    return self."]
 
 
 @pytest.mark.once  # resharding and TP are megatron-core's; TP on CPU on every stack: tests/test_parallel_cpu.py
 @pytest.mark.slow
-def test_tp2_under_torchrun_equals_one_process_and_the_training_loop(nemo, tmp_path_factory, tmp_path):
-    ckpt = shared.trained(tmp_path_factory, "qwen3")
-    printed = float(shared.printed_validation(ckpt)[1][0][0])
-    one = nemo(["llm", "evaluate", "--ckpt", ckpt, "--iteration", "1", "--json"])
+def test_tp2_under_torchrun_evaluate_equals_one_process_and_generate_equals_transformers(nemo, tmp_path_factory,
+                                                                                        tmp_path):
+    ckpt, hf = shared.trained(tmp_path_factory, "demo"), shared.exported(tmp_path_factory, "demo")
+    printed = float(shared.printed_validation(ckpt)[2][0][0])
+    one = nemo(["llm", "evaluate", "--ckpt", ckpt, "--json"])
     assert one.code == 0, one.stderr[-3000:]
     one_process = json.loads(one.stdout.strip().splitlines()[-1])["loss"]
-    done = torchrun_evaluate(["--ckpt", ckpt, "--iteration", "1", "--json", "--tp", "2"], nproc=2, cwd=tmp_path)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = [json.loads(line) for line in done.stdout.strip().splitlines()]  # stdout: JSON lines only
-    assert len(rows) == 1 and rows[0]["iteration"] == 1 and rows[0]["eval_tokens"] == 8 * 128  # rank 0 alone
-    assert abs(rows[0]["loss"] - one_process) <= TOLERANCE
-    assert abs(rows[0]["loss"] - printed) <= TOLERANCE + 5e-6 * printed  # printed to 7 significant digits
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"phases": [
+        ["llm", "evaluate", "--ckpt", str(ckpt), "--json", "--tp", "2"],
+        ["llm", "generate", "--ckpt", str(ckpt), "--prompts", str(prompts), "--json", "--max-new-tokens", "12",
+         "--tp", "2"]]}))
+    done = torchrun(str(DRIVER), plan, tmp_path, nproc=2, timeout=600)
+    # rank 0's JSON lines (the driver's own group creation prints gloo's "[Gloo] Rank R is connected" lines)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 + len(PROMPTS)
+    evaluated, generated = lines[0], lines[1:]
+    assert evaluated["iteration"] == 2
+    assert abs(evaluated["loss"] - one_process) <= TOLERANCE
+    assert abs(evaluated["loss"] - printed) <= TOLERANCE + 5e-6 * printed  # printed to 7 significant digits
+    for prompt, row, reference in zip(PROMPTS, generated, shared.transformers_greedy(hf, PROMPTS, 12), strict=True):
+        assert row["prompt"] == prompt and row["tokens"] == reference
 
 
 @pytest.mark.once
@@ -57,3 +55,6 @@ def test_tp_refused_where_the_launch_cannot_hold_it(nemo, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
     result = nemo(["llm", "evaluate", "--ckpt", tmp_path, "--tp", "2", "--choices", tmp_path / "mc.jsonl"])
     assert result.code == 2 and "--tp does not apply to --choices" in result.stderr
+    result = nemo(["llm", "generate", "--ckpt", tmp_path, "--prompt", "x", "--tp", "2"])
+    assert result.code == 2 and "--tp must equal the number of processes" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

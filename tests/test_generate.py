@@ -49,8 +49,8 @@ def _greedy_equals_transformers(nemo, runs, family: str, tmp_path: Path) -> None
     run = runs(family)
     megatron = _generate_jsonl(nemo, ["--ckpt", run["ckpt"]], tmp_path)
     hf = _generate_jsonl(nemo, ["--hf", run["hf"]], tmp_path)
-    for prompt, m, h in zip(PROMPTS, megatron, hf, strict=True):
-        reference = transformers_greedy(run["hf"], prompt, NEW)
+    for prompt, m, h, reference in zip(PROMPTS, megatron, hf, transformers_greedy(run["hf"], PROMPTS, NEW),
+                                       strict=True):
         assert m["tokens"] == reference, (family, prompt)
         assert h["tokens"] == reference, (family, prompt)
         assert m["prompt"] == prompt and m["text"] == h["text"]

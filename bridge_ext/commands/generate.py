@@ -33,6 +33,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: all)")
     p.add_argument("--seed", type=int, default=1234, help="the sampler's seed")
+    p.add_argument("--tp", type=int, default=1,
+                   help="with --ckpt under torchrun: tensor-parallel size, the number of processes (default 1)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="--out/--json: prompts decoded together (default 8); the console streams one at a time")
     p.add_argument("--out", type=Path, default=None, help="write the continuations as JSONL here")
@@ -52,12 +54,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--batch-size must be at least 1")
     from bridge_ext.runtime import launcher_world_size
 
-    if (launcher_world_size() or 1) > 1:
-        raise UserError("generate runs in one process: launch it without torchrun")
+    world = launcher_world_size() or 1
+    if args.tp < 1 or args.tp != world:
+        raise UserError(f"--tp {args.tp} with {world} process{'es' if world > 1 else ''}: generate runs one "
+                        f"tensor-parallel group, --tp must equal the number of processes (torchrun --nproc-per-node "
+                        f"{args.tp})")
+    if args.tp > 1 and args.hf is not None:
+        raise UserError("--tp applies to --ckpt (a Hugging Face directory runs in one process)")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
     run_generate(ckpt=args.ckpt, hf=args.hf, prompts=prompts, sampling=sampling, iteration=args.iteration,
                  tokenizer=args.tokenizer, out=args.out, as_json=args.json, checksums=args.checksums,
-                 verbose=args.verbose, batch_size=args.batch_size)
+                 verbose=args.verbose, batch_size=args.batch_size, tp=args.tp)
     return 0

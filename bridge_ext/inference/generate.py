@@ -207,9 +207,15 @@ def generate_all(model: Any, prompts: list[str], sampling: Sampling, *, stream: 
 def run_generate(*, ckpt: Path | None, hf: Path | None, prompts: list[str], sampling: Sampling,
                  iteration: int | None = None, tokenizer: Path | None = None, out: Path | None = None,
                  as_json: bool = False, checksums: bool = True, verbose: bool = False,
-                 batch_size: int = 8) -> list[Generated]:
+                 batch_size: int = 8, tp: int = 1) -> list[Generated]:
     """The command: prompts in, continuations out (streamed to stdout for console use; JSONL to ``out`` or, with
-    ``as_json``, to stdout). Returns them."""
+    ``as_json``, to stdout). Returns them.
+
+    ``tp`` > 1: under torchrun, every process runs the same loop on its shard of the model (logits gathered, so
+    every process picks the same tokens: the same arg-max, the same seeded draws); rank 0 alone prints and
+    writes."""
+    from bridge_ext.runtime import is_rank_zero
+
     sampling.check()
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
@@ -217,15 +223,22 @@ def run_generate(*, ckpt: Path | None, hf: Path | None, prompts: list[str], samp
         raise UserError(f"--out {out}: directory {out.parent} does not exist")
     err = sys.stderr  # the real one: loading the model hides upstream output
 
+    main = is_rank_zero()
+
     def say(line: str) -> None:
-        print(line, file=err, flush=True)
+        if main:
+            print(line, file=err, flush=True)
 
     stream = None if (out is not None or as_json) else sys.stdout
+    if stream is not None and not main:
+        import io
+
+        stream = io.StringIO()  # the same loop, one prompt at a time, shown by rank 0 only
     if ckpt is not None:
         from bridge_ext.inference.model import megatron_model
 
         with megatron_model(ckpt, iteration=iteration, tokenizer=tokenizer, checksums=checksums,
-                            verbose=verbose) as model:
+                            verbose=verbose, tp=tp) as model:
             say(f"generate: {model.description}; tokenizer {model.tokenizer.description}; "
                 f"{'greedy' if sampling.greedy else 'sampling'}")
             results = generate_all(model, prompts, sampling, stream=stream, batch_size=batch_size)
@@ -236,7 +249,7 @@ def run_generate(*, ckpt: Path | None, hf: Path | None, prompts: list[str], samp
         say(f"generate: {model.description}; tokenizer {model.tokenizer.description}; "
             f"{'greedy' if sampling.greedy else 'sampling'}")
         results = generate_all(model, prompts, sampling, stream=stream, batch_size=batch_size)
-    if out is not None or as_json:
+    if (out is not None or as_json) and main:
         lines = "".join(json.dumps(asdict(r)) + "\n" for r in results)
         if out is not None:
             from bridge_ext.runtime import write_atomic

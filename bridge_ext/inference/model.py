@@ -134,7 +134,7 @@ class MegatronModel:
 
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
-            out = self.module(input_ids=ids, position_ids=positions, attention_mask=None)
+            out = self.module(input_ids=ids, position_ids=positions, attention_mask=None, runtime_gather_output=True)
         return out[..., : self.vocab_size].float()
 
     def session(self, batch: int) -> Any:
@@ -195,8 +195,11 @@ class KVSession:
 
 @contextlib.contextmanager
 def megatron_model(ckpt: str | Path, *, iteration: int | None = None, tokenizer: Path | None = None,
-                   checksums: bool = True, verbose: bool = False) -> Iterator[MegatronModel]:
-    """The checkpoint's model in this process (see the module's docstring), for the duration of the ``with``."""
+                   checksums: bool = True, verbose: bool = False, tp: int = 1) -> Iterator[MegatronModel]:
+    """The checkpoint's model in this process (see the module's docstring), for the duration of the ``with``.
+    ``tp`` > 1 (under torchrun, one tensor-parallel group of that many processes): this process's shard of it,
+    loaded from the checkpoint whatever layout it was saved in; its logits are gathered over the group, so every
+    process sees the whole vocabulary."""
     ckpt = Path(ckpt)
     iter_dir, number = open_checkpoint(ckpt, iteration, checksums=checksums)
     run_config = read_run_config(iter_dir)
@@ -208,7 +211,7 @@ def megatron_model(ckpt: str | Path, *, iteration: int | None = None, tokenizer:
 
     with contextlib.ExitStack() as stack:
         with quiet_upstream(verbose=verbose), quiet_native_output(not verbose):
-            loaded = _build(stack, iter_dir, number, run_config, tok, int(vocab))
+            loaded = _build(stack, iter_dir, number, run_config, tok, int(vocab), tp=tp)
         import torch
 
         with torch.no_grad():
@@ -216,7 +219,7 @@ def megatron_model(ckpt: str | Path, *, iteration: int | None = None, tokenizer:
 
 
 def _build(stack: contextlib.ExitStack, iter_dir: Path, number: int, run_config: dict[str, Any], tok: Any,
-           vocab: int) -> MegatronModel:
+           vocab: int, *, tp: int = 1) -> MegatronModel:
     from bridge_ext.convert.megatron_ckpt import cause_line, load_model_weights
     from bridge_ext.convert.model import prepare_runtime
     from bridge_ext.convert.parallel import init_model_parallel, process_group
@@ -231,12 +234,13 @@ def _build(stack: contextlib.ExitStack, iter_dir: Path, number: int, run_config:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "context_parallel_size"):
         setattr(provider, name, 1)
+    provider.tensor_model_parallel_size = provider.expert_tensor_parallel_size = tp
     provider.virtual_pipeline_model_parallel_size = None
     provider.sequence_parallel = False
     provider.perform_initialization = False
     provider.use_cpu_initialization = cpu
     provider.finalize()
-    init_model_parallel(tp=1, pp=1, ep=1, cpu=cpu)
+    init_model_parallel(tp=tp, pp=1, ep=1, cpu=cpu)
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
     try:
         load_model_weights(iter_dir, model)
@@ -250,8 +254,9 @@ def _build(stack: contextlib.ExitStack, iter_dir: Path, number: int, run_config:
     if not cpu:
         module.cuda()
     context = int(run_config["model"].get("seq_length") or provider.seq_length)
+    name = type(provider).__name__.removesuffix('Provider').removesuffix('Model')
     return MegatronModel(module, iter_dir, number, vocab, context, tok,
-                         f"{type(provider).__name__.removesuffix('Provider').removesuffix('Model')} iteration {number} from {iter_dir}")
+                         f"{name} iteration {number} from {iter_dir}" + (f", TP{tp}" if tp > 1 else ""))
 
 
 @contextlib.contextmanager
