@@ -16,6 +16,7 @@ __all__ = ["NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "SWITCHED_WITH", "prov
 
 _TRAIN = "tests/test_cpu_training.py::test_pretrain_muon_decreases_loss"
 _RESUME = "tests/test_cpu_training.py::test_resume_is_bit_exact"
+_RNG = "tests/test_cpu_mode.py::test_cpu_rng_tracker_forks_and_restores"
 _MODELS = "tests/test_cpu_mode.py::test_models_build_forward_and_backward"
 _LAYOUTS = "tests/test_muon_layouts.py::test_one_muon_step_is_the_same_in_every_layout"
 _PARALLEL = "tests/test_parallel_cpu.py::test_several_processes_compute_what_one_does_and_resume_in_any_layout"
@@ -80,8 +81,7 @@ PROVEN_BY: dict[str, str] = {
     "clip-grads-fp32-check": _TRAIN,
     "clip-grads-fp32-check (imported name)": _TRAIN,
     "mla-have-te": _TRAIN,
-    "rng-get": _RESUME,  # a save stores the RNG states, a resume restores them
-    "rng-set": _RESUME,
+    "rng-set": _RNG,  # the tracker forks a stream: it sets the "CUDA" state back
     "moe-te-general-gemm": _TRAIN,
     "mla-core-attention": _TRAIN,
     "tensor-cuda-stays-on-cpu": _TRAIN,

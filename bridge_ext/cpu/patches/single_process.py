@@ -223,10 +223,6 @@ TENSOR_CUDA_CALLERS: dict[str, tuple[str, ...]] = {
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _rng_state_get(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
-    return real_torch().get_rng_state()
-
-
 def _rng_state_set(new_state: Any, device: Any = -1, graph_safe: bool = False) -> None:
     real_torch().set_rng_state(new_state)
 
@@ -337,15 +333,6 @@ PATCHES: tuple[Patch, ...] = (
         why="without TE, extensions/transformer_engine.py:76 makes `te` a MagicMock, so the import succeeds, "
         "HAVE_TE is True and TELinear is a MagicMock instance: isinstance() raises TypeError",
         make=lambda old: False,
-    ),
-    _cpu(
-        name="rng-get",
-        upstream="megatron/core/tensor_parallel/random.py _get_cuda_rng_state",
-        module="megatron.core.tensor_parallel.random",
-        attr="_get_cuda_rng_state",
-        snippets=("torch.cuda.random.get_rng_state", "torch.cuda.default_generators"),
-        why="the CUDA RNG state is the CPU generator's state",
-        make=lambda old: _rng_state_get,
     ),
     _cpu(
         name="rng-set",
