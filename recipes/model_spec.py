@@ -17,7 +17,7 @@ from typing import Any
 from recipes.architecture import Architecture
 from recipes.params import ParamCount, count_params
 
-__all__ = ["HF_CONFIGS", "ModelFamily", "ModelSpec", "proxy_spec", "release_spec"]
+__all__ = ["HF_CONFIGS", "ModelFamily", "ModelSpec", "presets_of", "proxy_spec", "release_spec"]
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 
@@ -100,3 +100,9 @@ def release_spec(name: str, display: str, hf_id: str, *, of: ModelSpec, source: 
     return ModelSpec(name=name, display=display, family=of.family, hf_id=hf_id,
                      published_params_b=of.published_params_b, source=source, provider=of.provider,
                      provider_source=of.provider_source, release_of=of.name)
+
+
+def presets_of(muon: str) -> tuple[str, ...]:
+    """Every preset a family's recipes use, from its Muon preset's name: pre-training (``_muon``, ``_adamw``) and
+    fine-tuning (recipes.finetune: ``_sft``, ``_lora``, each with its AdamW twin)."""
+    return tuple(f"{muon}{part}{twin}" for part in ("", "_sft", "_lora") for twin in ("", "_adamw"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from recipes.layout_spec import CPU_MOE, CPU_PP2, H200_PROXY, SELECTIVE_RECOMPUTE, Layout
-from recipes.model_spec import ModelFamily, ModelSpec, proxy_spec, release_spec
+from recipes.model_spec import ModelFamily, ModelSpec, presets_of, proxy_spec, release_spec
 
 FAMILY = ModelFamily(
     model_type="kimi_k2", display="Kimi K2", hf_architecture="DeepseekV3ForCausalLM",
@@ -100,8 +100,7 @@ MUON_PRESET = "kimi_k2"
 MUON_PRESET_WHY = ("the paper's own recipe: MLA has no QK-norm, so MuonClip's QK-clip is what bounds the attention "
                    "logits (Kimi K2 trained 15.5 T tokens without a loss spike with it)")
 # Every preset its recipes use: pre-training (`_muon`, `_adamw`), fine-tuning (recipes.finetune: `_sft_*`, `_lora_*`).
-PRESETS: tuple[str, ...] = ("kimi_k2", "kimi_k2_adamw", "kimi_k2_sft", "kimi_k2_sft_adamw", "kimi_k2_lora",
-                            "kimi_k2_lora_adamw")
+PRESETS = presets_of(MUON_PRESET)
 # Its proxies' recipe overrides beyond every proxy's (recipes/__init__.py), by (model, optimizer): none.
 PROXY_OVERRIDES: dict[tuple[str, str], dict[str, float]] = {}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from recipes.layout_spec import CPU_MOE, CPU_PP2, H200_PROXY, SELECTIVE_RECOMPUTE, Layout
-from recipes.model_spec import ModelFamily, ModelSpec, proxy_spec
+from recipes.model_spec import ModelFamily, ModelSpec, presets_of, proxy_spec
 
 FAMILY = ModelFamily(
     model_type="deepseek_v3", display="DeepSeek-V3", hf_architecture="DeepseekV3ForCausalLM",
@@ -88,8 +88,7 @@ MUON_PRESET = "moonlight_16b"
 MUON_PRESET_WHY = ("Moonlight's own pre-training run (arXiv 2502.16982, sec. 3.3), the run Muon's scaling claims "
                    "rest on; its AdamW twin is the paper's Moonlight-A (the same settings with AdamW)")
 # Every preset its recipes use: pre-training (`_muon`, `_adamw`), fine-tuning (recipes.finetune: `_sft_*`, `_lora_*`).
-PRESETS: tuple[str, ...] = ("moonlight_16b", "moonlight_16b_adamw", "moonlight_16b_sft", "moonlight_16b_sft_adamw",
-                            "moonlight_16b_lora", "moonlight_16b_lora_adamw")
+PRESETS = presets_of(MUON_PRESET)
 # Where the proxy's own sweep (docs/cpu.md, 200 iterations, seeds 1234 and 2) found another best rate: its AdamW at
 # 1e-2 ends 0.06-0.10 below 3e-3 on both seeds (2e-2 diverges), so its A/B runs AdamW at its best.
 PROXY_OVERRIDES: dict[tuple[str, str], dict[str, float]] = {

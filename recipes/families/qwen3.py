@@ -14,7 +14,7 @@ Outside ``recipes/`` (named here, checked by tests/test_family_modules.py):
 from __future__ import annotations
 
 from recipes.layout_spec import CPU_DENSE, H200_PROXY, SELECTIVE_RECOMPUTE, Layout
-from recipes.model_spec import ModelFamily, ModelSpec, proxy_spec, release_spec
+from recipes.model_spec import ModelFamily, ModelSpec, presets_of, proxy_spec, release_spec
 
 FAMILY = ModelFamily(model_type="qwen3", display="Qwen3", hf_architecture="Qwen3ForCausalLM",
                      source="Qwen3 model cards (Qwen/Qwen3-8B config.json)")
@@ -94,8 +94,7 @@ MUON_PRESET = "moonlight"
 MUON_PRESET_WHY = ("paper-faithful Muon whose update RMS matches AdamW's, so AdamW's learning rate and weight decay "
                    "transfer; Qwen3's QK-norm already bounds the logits (weight-level QK-clip is a no-op under it)")
 # Every preset its recipes use: pre-training (`_muon`, `_adamw`), fine-tuning (recipes.finetune: `_sft_*`, `_lora_*`).
-PRESETS: tuple[str, ...] = ("moonlight", "moonlight_adamw", "moonlight_sft", "moonlight_sft_adamw", "moonlight_lora",
-                            "moonlight_lora_adamw")
+PRESETS = presets_of(MUON_PRESET)
 # Its proxies' recipe overrides beyond every proxy's (recipes/__init__.py), by (model, optimizer): none.
 PROXY_OVERRIDES: dict[tuple[str, str], dict[str, float]] = {}
 
