@@ -23,6 +23,9 @@ def moonlight(cpu_mode):
     from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
     from recipes import get_recipe
 
+    import torch
+
+    group_was_there = torch.distributed.is_initialized()
     init_single_process_distributed()
     ours = not parallel_state.model_parallel_is_initialized()
     if ours:
@@ -34,6 +37,8 @@ def moonlight(cpu_mode):
     yield cfg.model
     if ours:
         parallel_state.destroy_model_parallel()
+    if not group_was_there:  # later tests in this worker (a rehearsal) make their own process group
+        torch.distributed.destroy_process_group()
 
 
 def _attention_submodules(block):

@@ -31,6 +31,9 @@ def tp_group(cpu_mode):
 
     from bridge_ext.cpu.config import init_single_process_distributed
 
+    import torch
+
+    group_was_there = torch.distributed.is_initialized()
     init_single_process_distributed()
     ours = not parallel_state.model_parallel_is_initialized()
     if ours:
@@ -39,6 +42,8 @@ def tp_group(cpu_mode):
     yield parallel_state.get_tensor_model_parallel_group()
     if ours:
         parallel_state.destroy_model_parallel()
+    if not group_was_there:  # later tests in this worker (a rehearsal) make their own process group
+        torch.distributed.destroy_process_group()
 
 
 def _layer(name: str, *, perform_initialization: bool, use_cpu_initialization: bool, group):
