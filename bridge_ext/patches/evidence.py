@@ -41,7 +41,8 @@ PROVEN_BY: dict[str, str] = {
     "muon-gate-up-params": _SPLIT,
     "muon-gate-up-split": _SPLIT,
     "muon-gate-up-split (emerging_optimizers)": _SPLIT,
-    "muon-clip-any-wrapper": "tests/test_muon.py::test_pretrain_with_kimi_k2_preset_logs_telemetry",
+    "muon-clip-any-wrapper": ("tests/test_python_api.py::"  # a real process: the in-process run hangs
+                              "test_the_readme_script_trains_a_proxy_with_megatron_bridges_pretrain"),
     "muon-lora-no-empty-adam": "tests/test_finetune.py::test_lora_trains_only_adapters_and_merged_export_matches_megatron",
     "muon-coefficient-types": _NS,
     "qk-clip-nonpositive-logit-mla": _NONPOSITIVE,
