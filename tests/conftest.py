@@ -70,3 +70,25 @@ def slurm_cluster(tmp_path_factory):
         with FileLock(str(state / "pytest.lock")):
             if count(-1) == 0:
                 subprocess.run([script, "down"], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def one_process_model_parallel(cpu_mode):
+    """A one-process gloo group and megatron-core's model-parallel state (TP1) for building layers and specs in
+    this process; both are torn down after the module where this fixture made them (a rehearsal later in the same
+    xdist worker makes its own process group)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from bridge_ext.cpu import init_single_process_distributed
+
+    group_was_there = torch.distributed.is_initialized()
+    init_single_process_distributed()
+    ours = not parallel_state.model_parallel_is_initialized()
+    if ours:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield parallel_state
+    if ours:
+        parallel_state.destroy_model_parallel()
+    if not group_was_there:
+        torch.distributed.destroy_process_group()

@@ -14,15 +14,12 @@ session's shared directory and the others wait and use it.
 
 from __future__ import annotations
 
-import os
-import pickle
 import re
 import shlex
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import hf_fixtures
+from session_once import once_per_session
 from tests.nemo_cli import call_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +30,6 @@ DEMO_TINY = ["train.train_iters=2", "train.eval_interval=2", "train.eval_iters=1
 RECIPES = {"qwen3": "qwen3_proxy_muon", "adamw": "qwen3_proxy_adamw", "qwen3_moe": "qwen3_moe_proxy_muon",
            "moonlight": "moonlight_proxy_muon"}
 
-_made: dict[str, Any] = {}
 
 
 def demo_command(run_dir: Path) -> list[str]:
@@ -44,26 +40,6 @@ def demo_command(run_dir: Path) -> list[str]:
     argv = shlex.split(recipe[1].replace("$(DEMO_RUN)", str(run_dir)))
     assert argv[0].endswith("/bin/nemo") and argv[1:3] == ["llm", "pretrain"], argv
     return argv[1:]
-
-
-def _once(factory, key: str, make: Callable[[Path], Any]) -> Any:
-    """``make(root)`` once per session (the module's docstring); its result, which is pickled for other workers."""
-    if key in _made:
-        return _made[key]
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
-    if uid is None:  # one process
-        _made[key] = make(factory.mktemp(key.replace("/", "-")))
-        return _made[key]
-    from filelock import FileLock
-
-    root = factory.getbasetemp().parent / f"evaluate-generate-{uid}" / key.replace("/", "-")
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{root}.lock"):
-        saved = root / "made.pickle"
-        if not saved.exists():
-            saved.write_bytes(pickle.dumps(make(root)))
-        _made[key] = pickle.loads(saved.read_bytes())
-    return _made[key]
 
 
 def trained(factory, name: str) -> Path:
@@ -80,7 +56,7 @@ def trained(factory, name: str) -> Path:
         assert call_nemo(argv, capture=None, cwd=root).code == 0
         return ckpt
 
-    return _once(factory, name, make)
+    return once_per_session(factory, name, make)
 
 
 def exported(factory, name: str) -> Path:
@@ -91,7 +67,7 @@ def exported(factory, name: str) -> Path:
         assert call_nemo(["llm", "export", "--ckpt", ckpt, "--out", root / "hf"], capture=None).code == 0
         return root / "hf"
 
-    return _once(factory, f"{name}/hf", make)
+    return once_per_session(factory, f"{name}/hf", make)
 
 
 def imported(factory) -> dict[str, Path]:
@@ -102,7 +78,7 @@ def imported(factory) -> dict[str, Path]:
         assert call_nemo(["llm", "import", "--hf", hf, "--out", root / "mg"], capture=None).code == 0
         return {"hf": hf, "ckpt": root / "mg"}
 
-    return _once(factory, "import", make)
+    return once_per_session(factory, "import", make)
 
 
 def transformers_greedy(hf: Path, prompt: str | list[str], new: int) -> list[int] | list[list[int]]:

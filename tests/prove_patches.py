@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     from bridge_ext.patches import evidence
     from bridge_ext.patches.registry import SWITCH_OFF_ENV
 
+    unknown = sorted(set(args.names) - {p.name for p in patches.REGISTRY})
+    if unknown:
+        print(f"error: no patch row named {', '.join(unknown)} (python -m bridge_ext.patches lists them)",
+              file=sys.stderr)
+        return 2
     here = patches.applied_here()
     names = args.names or [name for name in here if evidence.proven_by(name)
                            and not (args.no_redirects and name.startswith("cuda-on-cpu "))]

@@ -14,31 +14,17 @@ pytestmark = pytest.mark.stack
 
 
 @pytest.fixture(scope="module")
-def moonlight(cpu_mode):
-    """The Moonlight proxy's validated CPU config (MLA without a query low-rank, QK layernorm on), with a
-    one-process model-parallel state for building its layer spec."""
-    from megatron.core import parallel_state
-
+def moonlight(one_process_model_parallel):
+    """The Moonlight proxy's validated CPU config (MLA without a query low-rank, QK layernorm on)."""
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
     from recipes import get_recipe
 
-    import torch
-
-    group_was_there = torch.distributed.is_initialized()
-    init_single_process_distributed()
-    ours = not parallel_state.model_parallel_is_initialized()
-    if ours:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     cfg = build_config(get_recipe("moonlight_proxy_muon"), layout="cpu")
     configure_for_cpu(cfg)
     cfg.validate()
     assert cfg.model.q_lora_rank is None and cfg.model.qk_layernorm
-    yield cfg.model
-    if ours:
-        parallel_state.destroy_model_parallel()
-    if not group_was_there:  # later tests in this worker (a rehearsal) make their own process group
-        torch.distributed.destroy_process_group()
+    return cfg.model
 
 
 def _attention_submodules(block):
@@ -63,12 +49,12 @@ def test_mla_q_projection_without_norm(moonlight):
         return
     from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 
-    from bridge_ext.patches.transformer import _plain_q_projection_resolver
+    from bridge_ext.patches.transformer import plain_q_projection_resolver
 
     submodules = _attention_submodules(local_layer_spec(moonlight))
     with pytest.raises(RuntimeError, match="qk_layernorm requires TransformerEngine"):
         QKNormConfigResolver(moonlight, submodules).resolve()  # the row off
-    assert _plain_q_projection_resolver()(moonlight, submodules).resolve()["linear_q_proj"] is ColumnParallelLinear
+    assert plain_q_projection_resolver()(moonlight, submodules).resolve()["linear_q_proj"] is ColumnParallelLinear
 
 
 def test_the_local_spec_leaves_out_megatrons_unused_q_norm(moonlight):

@@ -24,26 +24,12 @@ LAYERS = ("VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear")
 
 
 @pytest.fixture(scope="module")
-def tp_group(cpu_mode):
+def tp_group(one_process_model_parallel):
     """The TP group of a one-process run (world size 1), and megatron-core's RNG tracker for the GPU init path."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from bridge_ext.cpu.config import init_single_process_distributed
-
-    import torch
-
-    group_was_there = torch.distributed.is_initialized()
-    init_single_process_distributed()
-    ours = not parallel_state.model_parallel_is_initialized()
-    if ours:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234)
-    yield parallel_state.get_tensor_model_parallel_group()
-    if ours:
-        parallel_state.destroy_model_parallel()
-    if not group_was_there:  # later tests in this worker (a rehearsal) make their own process group
-        torch.distributed.destroy_process_group()
+    return one_process_model_parallel.get_tensor_model_parallel_group()
 
 
 def _layer(name: str, *, perform_initialization: bool, use_cpu_initialization: bool, group):

@@ -88,8 +88,8 @@ from bridge_ext.patching import Area, Patch
 from bridge_ext.stack import UpstreamDrift, package_of
 
 __all__ = ["AREA", "HF_LATENT_NORM_EPS", "PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard",
-           "gather_kv_down_proj_with_rope_grad_summed", "k_rope_grad_summed", "rope_key_grad_unreduced",
-           "use_hf_latent_norm_eps"]
+           "gather_kv_down_proj_with_rope_grad_summed", "k_rope_grad_summed", "plain_q_projection_resolver",
+           "rope_key_grad_unreduced", "use_hf_latent_norm_eps"]
 
 AREA: Area = "transformer"
 
@@ -191,7 +191,7 @@ def _resolver_has(code: str) -> Callable[[], bool]:
 
 
 @functools.cache
-def _plain_q_projection_resolver() -> type:
+def plain_q_projection_resolver() -> type:
     """megatron-core 0.19's ``QKNormConfigResolver``, subclassed: without a query low-rank, ``linear_q_proj`` stays
     a plain linear (the spec's, or the backend's where the spec names the fused one), as megatron-core 0.16-0.18
     build it and DeepSeek-V3's ``q_proj`` is; every other decision is upstream's."""
@@ -209,7 +209,7 @@ def _plain_q_projection_resolver() -> type:
 
 def _resolving_with_plain_q_projection(old: Any) -> Any:
     def _resolve_qk_norm_config(self: Any, submodules: Any) -> Any:
-        return _plain_q_projection_resolver()(self.config, submodules).resolve()
+        return plain_q_projection_resolver()(self.config, submodules).resolve()
 
     _resolve_qk_norm_config._bridge_ext_original = old  # type: ignore[attr-defined]
     return _resolve_qk_norm_config
