@@ -53,6 +53,7 @@ import pytest
 
 from ckpt_io import assert_bit_identical, load_safetensors
 from layout_matrix_driver import launch
+from session_once import once_per_session
 
 FAMILIES = {"qwen3": "qwen3_proxy_muon", "qwen3_moe": "qwen3_moe_proxy_muon", "kimi_k2": "kimi_k2_proxy_muon",
             "moonlight": "moonlight_proxy_muon"}
@@ -449,31 +450,11 @@ def run_matrix(tmp: Path, families: list[str]) -> Matrix:
     return Matrix(references, cycles + adamw_phases, scratch, here, distributed, refused, saved, times)
 
 
-_RUN: dict[str, Matrix] = {}
-
-
 @pytest.fixture
 def matrix(cpu_mode, tmp_path_factory) -> Matrix:
-    """The cycle selection, run once per test session for this module's two tests. pytest-xdist may hand them to
-    two workers (its module fixtures are not shared, and a group does not keep a worker's module fixture alive):
-    the first to ask runs it under a file lock in the session's shared directory, the other waits and reads it."""
-    import os
-    import pickle
-
-    from filelock import FileLock
-
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
-    if uid is None:  # one process: this process's run
-        if "run" not in _RUN:
-            _RUN["run"] = run_matrix(tmp_path_factory.mktemp("matrix"), list(FAMILIES))
-        return _RUN["run"]
-    shared = tmp_path_factory.getbasetemp().parent / f"layout-matrix-{uid}"
-    shared.mkdir(exist_ok=True)
-    with FileLock(str(shared / "lock")):
-        saved = shared / "matrix.pickle"
-        if not saved.exists():
-            saved.write_bytes(pickle.dumps(run_matrix(shared, list(FAMILIES))))
-        return pickle.loads(saved.read_bytes())
+    """The cycle selection, run once per test session for this module's two tests (tests/session_once.py: under
+    pytest-xdist the first worker to ask runs it, the other waits and reads it)."""
+    return once_per_session(tmp_path_factory, "layout-matrix", lambda root: run_matrix(root, list(FAMILIES)))
 
 
 @pytest.mark.slow
