@@ -36,17 +36,16 @@ PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
 # CPU mode's CUDA code where each release keeps it (bridge_ext.cpu.patches.moved: the DDP wrapping's stream in
 # megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
-# tracker and the legacy GroupedMLP in 0.16 only)
+# tracker in 0.16 only)
 CPU_CODE_IN_CORE_0_16 = {"cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",
-                         "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)",
-                         "cuda-on-cpu megatron.core.transformer.moe.experts (the legacy GroupedMLP's weights)"}
+                         "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)"}
 CPU_CODE_IN_CORE_0_19 = {"cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
                          # 0.19's layer-wise optimizer: a CUDA flag per grad-norm group, fp32 members left raw
                          "cuda-on-cpu megatron.core.optimizer.layer_wise_optimizer "
                          "(the layer-wise grad-norm group flag)",
                          "layer-wise-fp32-members"}
 # megatron-core 0.17 (MB 0.4): the DDP stream in megatron-bridge's models/common/unimodal.py, the MoE tracker
-# still in moe_utils.py (tracker_num_layers), the legacy GroupedMLP removed, the per-rank all-gather buffers
+# still in moe_utils.py (tracker_num_layers), the per-rank all-gather buffers
 CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (the DDP wrapping's stream)",
                          "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)"}
 # megatron-core 0.17+ names the torch_dist writer's results-queue factory get_write_results_queue (a Manager still)
@@ -589,6 +588,7 @@ def test_every_row_names_the_test_that_proves_it_and_where_it_was_reported():
         test = evidence.proven_by(patch.name)
         assert test, f"{patch.name}: no proving test in bridge_ext/patches/evidence.py"
         path, function = test.split("::")
+        function = function.split("[")[0]  # a parametrized test's case: the function holds it
         source = (REPO / path).read_text()
         assert re.search(rf"^def {re.escape(function)}\(", source, re.MULTILINE), test
         assert evidence.reported(patch.name)

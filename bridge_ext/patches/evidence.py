@@ -110,16 +110,17 @@ SWITCHED_WITH: dict[str, tuple[str, ...]] = {
     "clip-grads-fp32-check (imported name)": ("clip-grads-fp32-check",),
 }
 
-# CPU mode's CUDA redirects by the run that reaches the module: checkpoint saves, several processes, conversion
+# CPU mode's CUDA redirects by the run that reaches the module's CUDA code: checkpoint saves, TP with sequence
+# parallelism and PP (the layouts test), several processes, conversion; the rest by
+# a training run
 _REDIRECTS_BY_PREFIX: tuple[tuple[str, str], ...] = (
     ("megatron.core.dist_checkpointing.", _RESUME),
     ("megatron.bridge.training.checkpointing", _RESUME),
-    ("megatron.core.pipeline_parallel.p2p_communication", _PARALLEL),
-    ("megatron.core.optimizer.distrib_optimizer", _PARALLEL),
+    ("megatron.core.pipeline_parallel.p2p_communication", _LAYOUTS),
+    ("megatron.core.tensor_parallel.mappings", _LAYOUTS),
     ("megatron.core.optimizer.layer_wise_optimizer", _LAYER_WISE),
     ("megatron.bridge.models.conversion.param_mapping",
      "tests/test_convert_distributed.py::test_two_process_conversions_equal_one_process"),
-    ("megatron.core.transformer.moe.experts", _MODELS),
     ("", _TRAIN),
 )
 

@@ -52,7 +52,7 @@ PATCHES: tuple[Patch, ...] = (
     *distributed.PATCHES,
     Patch(
         name="tensor-cuda-stays-on-cpu", area="cpu", scope="cpu", module="torch", attr="Tensor.cuda",
-        upstream="megatron/bridge/training/gpt_step.py, utils/batch_utils.py, models/model_provider.py: .cuda()",
+        upstream="megatron/bridge/training/gpt_step.py, models/model_provider.py: .cuda()",
         why="`.cuda()` returns the tensor itself; methods cannot be scoped to a module",
         when="CPU mode", elsewhere=tuple(TENSOR_CUDA_CALLERS.items()), make=lambda old: tensor_stays_on_cpu,
     ),

@@ -26,11 +26,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'device=torch.cuda.current_device(),',
         'torch.cuda.synchronize()',
     ),
-    # distributed optimizer: checkpoint shards and gathers allocated on the current CUDA device
-    "megatron.core.optimizer.distrib_optimizer": (
-        '(numel,), dtype=dtype, device=torch.cuda.current_device()',
-        'device = "cpu" if use_gloo_comm else torch.cuda.current_device()',
-    ),
     # conversion under TP > 1 (nemo llm import --tp): replicated weights (norms, router) are moved to the CUDA
     # device before their broadcast to the TP ranks. Also gives scatter_to_tp_ranks' torch.distributed.scatter
     # of row-parallel shards (torch.chunk(dim=1) views) redirect's DistributedOnCPU.scatter, which sends copies.

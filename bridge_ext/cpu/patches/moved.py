@@ -59,14 +59,6 @@ MOVED: dict[str, tuple[Home, ...]] = {
                        'values=torch.zeros(num_layers, device=value.device)'),
              cpu_safe=True),
     ),
-    # the legacy (non-TE) GroupedMLP allocated its expert weights on the current CUDA device
-    "the legacy GroupedMLP's weights": (
-        Home(module="megatron.core.transformer.moe.experts", release="megatron-core 0.16 (GroupedMLP)",
-             snippets=('device=torch.cuda.current_device(),',)),
-        # megatron-core 0.17 removed it: TEGroupedMLP (needs TE) and SequentialMLP (CPU mode's) remain
-        Home(module="megatron.core.transformer.moe.experts", release="megatron-core 0.17-0.19 (GroupedMLP removed)",
-             snippets=("class GroupedMLP(", "torch.cuda.current_device()"), cpu_safe=True, absent=True),
-    ),
     # the layer-wise optimizer's grad-norm groups (megatron-core 0.19) agree over ranks on a CUDA flag
     "the layer-wise grad-norm group flag": (
         Home(module="megatron.core.optimizer.layer_wise_optimizer", release="megatron-core 0.19 (has_grad_norm_group)",

@@ -253,9 +253,9 @@ def torch_proxy(claims_gpu: bool) -> TorchOnCPU:
 def tensor_stays_on_cpu(self, device: Any = None, non_blocking: bool = False, memory_format: Any = None):
     """``Tensor.cuda()`` in CPU mode: the tensor itself (process-wide; ``Module.cuda()`` goes through it).
 
-    Works around the callers in ``single_process.TENSOR_CUDA_CALLERS``: ``gpt_step.py:131`` and
-    ``batch_utils.py:53-57`` (``batch[k].cuda(non_blocking=True)``), ``model_provider.py:583``
-    (``model_module.cuda(...)``, which ``pretrain()`` always reaches). A method is looked up on the class,
+    Works around the callers in ``single_process.TENSOR_CUDA_CALLERS``: ``gpt_step.py:131``
+    (``batch[k].cuda(non_blocking=True)``, every step) and ``model_provider.py:583`` (``model_module.cuda(...)``,
+    for a model built without ``use_cpu_initialization``). A method is looked up on the class,
     so this cannot be scoped to those modules. Only installed in CPU mode, where no tensor may go to a GPU.
     """
     return self

@@ -79,16 +79,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'output = torch.empty(dim_size, dtype=input_.dtype, device=torch.cuda.current_device())',
         'device=torch.cuda.current_device(),',
     ),
-    "megatron.core.models.gpt.gpt_model": (
-        'device=torch.cuda.current_device(),',
-    ),
-    "megatron.core.transformer.transformer_layer": (
-        '.to(torch.cuda.current_device())',
-        'device=torch.cuda.current_device(),',
-    ),
-    "megatron.core.transformer.attention": (
-        'device=torch.cuda.current_device(),',
-    ),
     # DDP grad buffers and their communication stream
     "megatron.core.distributed.param_and_grad_buffer": (
         'stream_context = torch.cuda.stream(self.communication_stream)',
@@ -98,11 +88,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
                'torch.cuda.current_stream().wait_stream(self.communication_stream)'),
         'tmp_warmup_tensor = torch.zeros([1], device="cuda")',
         'device=torch.cuda.current_device(),',
-    ),
-    "megatron.core.distributed.distributed_data_parallel": (
-        'communication_stream = torch.cuda.Stream(device=torch.cuda.current_device())',
-        'torch.cuda.synchronize()',
-        'torch.cuda.empty_cache()',
     ),
     # optimizer: found_inf / scale / overflow buffers, grad-norm and zero-count buffers
     "megatron.core.optimizer.optimizer": (
@@ -135,13 +120,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'device: int = torch.cuda.current_device()',
         '"cuda_rng_state": torch.cuda.get_rng_state(),',
         'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
-    ),
-    # provide_distributed_model: NCCL init, set_device, `model.cuda(torch.cuda.current_device())` (its DDP
-    # stream: bridge_ext.cpu.patches.moved)
-    "megatron.bridge.models.model_provider": (
-        'torch.cuda.set_device(get_local_rank_preinit())',
-        'torch.distributed.init_process_group("nccl")',
-        'model_module.cuda(torch.cuda.current_device())',
     ),
     # Megatron Bridge's training loop, batches, logging, checkpoints
     "megatron.bridge.training.setup": (
@@ -176,9 +154,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'total_loss_dict[key] = torch.tensor([0.0], dtype=torch.float, device="cuda")',
         'memory_stats = torch.cuda.memory_stats()',
     ),
-    "megatron.bridge.training.utils.batch_utils": (
-        'device=torch.cuda.current_device(),',
-    ),
     # torch_dist checkpoint save: synchronize after staging, success/verification all-reduces
     "megatron.core.dist_checkpointing.strategies.filesystem_async": (
         'torch.cuda.synchronize()',
@@ -186,14 +161,6 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
         "all_results = torch.tensor([local_verify_reuse], dtype=torch.int, device='cuda')",
         '[int(len(node_failures) > 0)], dtype=torch.int, device=torch.cuda.current_device()',
-    ),
-    "megatron.core.dist_checkpointing.strategies.fully_parallel": (
-        'torch.cuda.synchronize()',
-    ),
-    "megatron.core.dist_checkpointing.strategies.async_utils": (
-        'ten = torch.tensor([is_alive], dtype=torch.int, device=torch.cuda.current_device())',
-        'torch.cuda.synchronize()',
-        'ten = torch.tensor([call_idx], dtype=torch.int, device=torch.cuda.current_device())',
     ),
 }
 
@@ -204,13 +171,6 @@ CLAIMS_GPU = frozenset({"megatron.bridge.training.initialize"})
 TENSOR_CUDA_CALLERS: dict[str, tuple[str, ...]] = {
     "megatron.bridge.training.gpt_step": (
         '_batch_required_keys[key] = val.cuda(non_blocking=True) if val is not None else None',
-    ),
-    "megatron.bridge.training.utils.batch_utils": (
-        '"tokens": data["tokens"].cuda(non_blocking=True),',
-        '"labels": data["labels"].cuda(non_blocking=True),',
-        '"loss_mask": data["loss_mask"].cuda(non_blocking=True),',
-        '"attention_mask": None if "attention_mask" not in data else data["attention_mask"].cuda(non_blocking=True),',
-        '"position_ids": data["position_ids"].cuda(non_blocking=True),',
     ),
     "megatron.bridge.models.model_provider": (
         'model_module.cuda(torch.cuda.current_device())',
