@@ -388,3 +388,55 @@ def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     while session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert session_processes(proc.pid) == []
+
+
+# Megatron Bridge's own pretrain() after prepare_for_this_machine (README, "Python API"): no bridge_ext code runs
+# between the two, so the checkpoint writer's Manager is whatever the checkpointing patches make it at the first save
+API_TRAINER = """\
+import sys
+
+from bridge_ext.api import prepare_for_this_machine, recipe_config
+from megatron.bridge.training.gpt_step import forward_step
+from megatron.bridge.training.pretrain import pretrain
+
+if __name__ == "__main__":  # the writer's Manager is spawned: it imports this file again
+    cfg = recipe_config(sys.argv[1], overrides=sys.argv[2:])
+    pretrain(cfg, forward_step, callbacks=prepare_for_this_machine(cfg, device="cpu", data="mock"))
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_trainer_leaves_no_checkpoint_writer_process_behind(tmp_path):
+    """A trainer killed with SIGKILL after its first torch_dist save takes every process of its session with it:
+    megatron-core's writer starts a Manager server (and a resource tracker) at that save, which outlived the
+    trainer until the ``checkpoint-writer-dies-with-trainer`` patch started it with PR_SET_PDEATHSIG. The run is the
+    Python API's (Megatron Bridge's own ``pretrain()``): ``nemo llm pretrain`` starts that server itself before
+    training (``kill_safe.keep_helpers_with_trainer``), where the patch alone would not show."""
+    import contextlib
+    import signal
+
+    run, script, log = tmp_path / "run", tmp_path / "train.py", tmp_path / "train.log"
+    script.write_text(API_TRAINER)
+    with log.open("w") as out:  # the trainer is this process itself: one CPU process, no torchrun
+        proc = start_nemo(["qwen3_proxy_muon", "train.train_iters=50", "checkpoint.save_interval=1",
+                           f"checkpoint.save={run}"], driver=[script], cwd=tmp_path,
+                          env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}, stdout=out,
+                          stderr=subprocess.STDOUT, start_new_session=True)  # its helpers stay in its session
+    try:
+        deadline = time.monotonic() + 300
+        while read_tracker(run)[0] is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_tracker(run)[0] is not None and proc.poll() is None, log.read_text()[-3000:]  # saved, training on
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 15
+        while (survivors := session_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert survivors == [], "outlived the SIGKILLed trainer:\n" + "\n".join(survivors)
+    finally:  # nothing of the run is left behind, whatever failed
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for line in session_processes(proc.pid):  # one that left the process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+        proc.wait(timeout=30)
