@@ -221,6 +221,30 @@ def test_several_processes_compute_what_one_does_and_resume_in_any_layout(cpu_mo
     _check_dp2_adamw_with_the_distributed_optimizer_computes_the_one_process_steps(runs)
 
 
+@pytest.mark.slow
+@pytest.mark.once  # CPU mode's distributed-optimizer fixes apply on every stack: tests/prove_patches.py runs it there
+def test_adamw_resumes_at_dp2_as_it_ran_on(tmp_path):
+    """AdamW with the distributed optimizer (Adam state sharded over DP2) saved at iteration 2 and resumed at DP2
+    computes iterations 3 and 4 as the run that went on: the same losses and, after two resumed steps, the same
+    weights to the bit, so the same moments and step counts (every parameter here is Adam's). CPU mode's
+    distrib-optimizer-* rows: megatron-core's resume path without Apex or TE."""
+    common = ["--recipe", ADAMW, "layout=cpu-dp2", "logger.log_interval=1", "checkpoint.save_interval=1",
+              "scheduler.lr_decay_iters=8"]
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    launch([[*common, "train.train_iters=4", f"checkpoint.save={straight}", f"logger.tensorboard_dir={straight}/tb"],
+            [*common, "train.train_iters=2", f"checkpoint.save={first}", f"logger.tensorboard_dir={first}/tb"],
+            [*common, "train.train_iters=4", f"checkpoint.load={first}", f"checkpoint.save={resumed}",
+             f"logger.tensorboard_dir={resumed}/tb"]], tmp_path, nproc=2)
+    got, expected = _losses(resumed), _losses(straight)
+    assert list(got) == [3, 4] and list(expected) == [1, 2, 3, 4]
+    assert got == {i: expected[i] for i in got}
+    x, y = read_global_tensors(resumed / "iter_0000004"), read_global_tensors(straight / "iter_0000004")
+    assert any(k.startswith("optimizer.distributed.") for k in x)  # the Adam state was saved and loaded sharded
+    weights = sorted(k for k in y if not k.startswith("optimizer."))
+    assert weights and weights == sorted(k for k in x if not k.startswith("optimizer."))
+    assert {k: (x[k] - y[k]).abs().max().item() for k in weights} == {k: 0.0 for k in weights}
+
+
 def test_relayout_targets_match_upstream():
     from bridge_ext import patches
 

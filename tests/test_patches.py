@@ -94,7 +94,9 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
 APPLIES_BY_STACK[("0.6.2", "0.3.0")] = APPLIES_BY_STACK[("0.6.0", "0.2.0")]
 # ... and on every stack, on these machines (no GPU, no Transformer Engine)
 APPLIES_ON_THIS_MACHINE = {"te-import-guard", "peft-have-te", "validate-without-gpu",
-                           "local-l2-norm-fake"}  # clip_grads' local l2 norm: no TE, no apex
+                           "local-l2-norm-fake",  # clip_grads' local l2 norm: no TE, no apex
+                           # the distributed optimizer's resume with torch's Adam (no TE, no apex)
+                           "distrib-optimizer-fresh-state-dict", "distrib-optimizer-resumed-step"}
 # ... and on every release read (megatron-core 0.16.0-0.19.2: Megatron-LM PR 7382 unmerged; probed, not assumed:
 # tests/test_upstream_muon_bugs.py)
 APPLIES_ON_EVERY_RELEASE_READ = {"qk-clip-nonpositive-logit-mla", "qk-clip-nonpositive-logit-gqa",

@@ -20,10 +20,14 @@ _RNG = "tests/test_cpu_mode.py::test_cpu_rng_tracker_forks_and_restores"
 _MODELS = "tests/test_cpu_mode.py::test_models_build_forward_and_backward"
 _LAYOUTS = "tests/test_muon_layouts.py::test_one_muon_step_is_the_same_in_every_layout"
 _PARALLEL = "tests/test_parallel_cpu.py::test_several_processes_compute_what_one_does_and_resume_in_any_layout"
+_ADAMW_RESUME = "tests/test_parallel_cpu.py::test_adamw_resumes_at_dp2_as_it_ran_on"
 _LAYER_WISE = ("tests/test_upstream_muon_bugs.py::"
                "test_layer_wise_muon_resumes_as_the_straight_run_and_loads_overridden_groups_under_pp")
 _LEAKS = "tests/test_cpu_mode.py::test_training_runs_in_one_process_free_their_models_and_compile_nothing"
 _KILLS = "tests/test_kill_safe.py::test_killed_at_every_stage_of_a_save_resumes_exactly"
+_WRITER_KILLED = "tests/test_kill_safe.py::test_sigkilled_trainer_leaves_no_checkpoint_writer_process_behind"
+_TIME_LIMIT = "tests/test_cpu_run_stops.py::test_a_time_limit_never_reached_trains_and_validates_every_iteration"
+_NAN_LOSS = "tests/test_cpu_run_stops.py::test_a_nan_loss_stops_the_run_with_megatrons_message"
 _REHEARSE = "tests/test_rehearse.py::test_kimi_k2_last_rank_layer_wise_muon_equals_plan"
 _KIMI_EXPORT = "tests/test_convert.py::test_kimi_export_reproduces_config_and_loads_into_deepseek_v3"
 _LATENT_EPS = "tests/test_patches_needed.py::test_mla_latent_norm_eps_is_deepseek_v3s"
@@ -67,8 +71,8 @@ PROVEN_BY: dict[str, str] = {
     "manual-gc-restored": _LEAKS,
     "ddp-hook-cycle": _LEAKS,
     "atomic-checkpoint-save": _KILLS,
-    "checkpoint-writer-dies-with-trainer": _KILLS,
-    "checkpoint-writer-dies-with-trainer (get_write_results_queue)": _KILLS,
+    "checkpoint-writer-dies-with-trainer": _WRITER_KILLED,
+    "checkpoint-writer-dies-with-trainer (get_write_results_queue)": _WRITER_KILLED,
     "relayout-optimizer-load": _PARALLEL,
     "param-group-identity": _LAYER_WISE,
     "deepseek-sequential-expert-mappings": _KIMI_EXPORT,
@@ -87,6 +91,9 @@ PROVEN_BY: dict[str, str] = {
     "mla-core-attention": _TRAIN,
     "tensor-cuda-stays-on-cpu": _TRAIN,
     "distrib-optimizer-cpu-types": _PARALLEL,
+    "distrib-optimizer-fresh-state-dict": _ADAMW_RESUME,
+    "distrib-optimizer-resumed-step": _ADAMW_RESUME,
+    "distrib-optimizer-fp32-load": _ADAMW_RESUME,
     "layer-wise-all-gather-v": _LAYER_WISE,
     "layer-wise-fp32-members": _LAYER_WISE,
     "layer-wise-fp32-save": _LAYER_WISE,
@@ -108,16 +115,25 @@ SWITCHED_WITH: dict[str, tuple[str, ...]] = {
     "mla-q-projection-without-norm (conversion)": ("mla-q-projection-without-norm",),
     "clip-grads-fp32-check": ("clip-grads-fp32-check (imported name)",),
     "clip-grads-fp32-check (imported name)": ("clip-grads-fp32-check",),
+    # one target (model_provider's torch) where megatron-bridge 0.3 keeps the DDP stream there
+    "cuda-on-cpu megatron.bridge.models.model_provider": (
+        "cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",),
+    "cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)": (
+        "cuda-on-cpu megatron.bridge.models.model_provider",),
 }
 
 # CPU mode's CUDA redirects by the run that reaches the module's CUDA code: checkpoint saves, TP with sequence
-# parallelism and PP (the layouts test), several processes, conversion; the rest by
-# a training run
+# parallelism and PP (the layouts test), several processes, a resume of the distributed optimizer, the time limit,
+# a NaN loss, conversion; the rest by a training run
 _REDIRECTS_BY_PREFIX: tuple[tuple[str, str], ...] = (
     ("megatron.core.dist_checkpointing.", _RESUME),
     ("megatron.bridge.training.checkpointing", _RESUME),
     ("megatron.core.pipeline_parallel.p2p_communication", _LAYOUTS),
+    ("megatron.bridge.training.train", _TIME_LIMIT),
+    ("megatron.bridge.training.eval", _TIME_LIMIT),
+    ("megatron.core.rerun_state_machine", _NAN_LOSS),
     ("megatron.core.tensor_parallel.mappings", _LAYOUTS),
+    ("megatron.core.optimizer.distrib_optimizer", _ADAMW_RESUME),
     ("megatron.core.optimizer.layer_wise_optimizer", _LAYER_WISE),
     ("megatron.bridge.models.conversion.param_mapping",
      "tests/test_convert_distributed.py::test_two_process_conversions_equal_one_process"),

@@ -8,6 +8,7 @@ conversion under TP > 1. Versions: megatron-core 0.16.0-0.19.0, megatron-bridge 
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 from typing import Any
 
@@ -25,6 +26,11 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         'tensor_send_prev.size(), device=torch.cuda.current_device(), dtype=torch.int64',
         'device=torch.cuda.current_device(),',
         'torch.cuda.synchronize()',
+    ),
+    # distributed optimizer: a resume allocates the fresh optimizer's state shards on the current CUDA device
+    # (load_state_dict, reached through the state-dict patch below: distrib-optimizer-fresh-state-dict)
+    "megatron.core.optimizer.distrib_optimizer": (
+        '(numel,), dtype=dtype, device=torch.cuda.current_device()',
     ),
     # conversion under TP > 1 (nemo llm import --tp): replicated weights (norms, router) are moved to the CUDA
     # device before their broadcast to the TP ranks. Also gives scatter_to_tp_ranks' torch.distributed.scatter
@@ -116,6 +122,54 @@ def _fp32_members(init: Any) -> Any:
     return __init__
 
 
+# distrib_optimizer.py DistributedOptimizer.state_dict without Apex or TE (CPU mode: torch's Adam) reads the step
+# from the inner optimizer's per-parameter state; a resume asks a fresh optimizer (no state yet) for it first
+# (sharded_state_dict(is_loading=True): self.load_state_dict(self.state_dict())), and `assert len(steps) == 1`
+# fails on no steps at all.
+_STEP_FROM_STATE = ('steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))',
+                    "assert len(steps) == 1")
+
+
+def _without_apex_or_te() -> bool:
+    return not importlib.import_module("megatron.core.optimizer.distrib_optimizer").HAVE_APEX_OR_TE
+
+
+def _state_dict_of_a_fresh_optimizer(state_dict: Any) -> Any:
+    def fresh_state_dict(self) -> Any:
+        inner = self.optimizer
+        if inner.state:
+            return state_dict(self)
+        # step 0 for every parameter while upstream reads it; the resume's load replaces it with the saved step
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = real_torch().tensor(0.0)
+        try:
+            return state_dict(self)
+        finally:
+            inner.state.clear()  # load_state_dict allocates the state of an empty optimizer
+
+    return fresh_state_dict
+
+
+def _the_saved_step_per_parameter(load_state_dict: Any) -> Any:
+    def load_state_dict_with_the_saved_step(self, state_dict: Any) -> None:
+        load_state_dict(self, state_dict)  # also copies the loaded parameter state in, "step" included
+        (step,) = {group["step"] for group in state_dict["optimizer"]["param_groups"]}  # upstream asserted one
+        for state in self.optimizer.state.values():
+            if "step" in state:  # its own tensor: torch's Adam adds 1 to each parameter's step in place
+                state["step"] = real_torch().tensor(float(step))
+
+    return load_state_dict_with_the_saved_step
+
+
+def _set_without_grad(set_states: Any) -> Any:
+    def set_main_param_and_optimizer_states(self, model_param: Any, tensors: Any) -> None:
+        with real_torch().no_grad():  # an fp32 main parameter is a view of the model's (a leaf that needs grad)
+            set_states(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
 def _sequence_parallel_norm(norm: Any, config: Any) -> Any:
     """Flag a norm's parameters as TE's and Apex's norms do (``setattr(p, 'sequence_parallel', ...)``)."""
     for param in norm.parameters():
@@ -132,6 +186,44 @@ PATCHES: tuple[Patch, ...] = (
         upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups",
         **_CPU, why="the distributed optimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError for CPU fp32 "
         "ones); recompiled with the CPU type names",
+    ),
+    Patch(
+        name="distrib-optimizer-fresh-state-dict", module="megatron.core.optimizer.distrib_optimizer",
+        attr="DistributedOptimizer.state_dict",
+        upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.state_dict (without Apex or TE)",
+        **{**_CPU, "when": "CPU mode, where megatron-core finds neither Apex nor TE (torch's Adam)"},
+        why="a resume of the distributed optimizer (AdamW at DP > 1) asks the fresh optimizer for its step before "
+            "it has state: `assert len(steps) == 1` fails on none; the fresh optimizer answers step 0 (the load "
+            "replaces it)",
+        needed=_without_apex_or_te,
+        snippets=_STEP_FROM_STATE,
+        make=_state_dict_of_a_fresh_optimizer,
+    ),
+    Patch(
+        name="distrib-optimizer-resumed-step", module="megatron.core.optimizer.distrib_optimizer",
+        attr="DistributedOptimizer.load_state_dict",
+        upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.load_state_dict (without Apex "
+                 "or TE)",
+        **{**_CPU, "when": "CPU mode, where megatron-core finds neither Apex nor TE (torch's Adam)"},
+        why="a resume gives every parameter's torch Adam state one shared step tensor (`s[\"step\"] = step`), "
+            "then copies the loaded parameter state into it, a step of 0 with it (measured, dp_reshardable): the "
+            "resumed run's bias correction starts over; each parameter gets its own tensor holding the saved step",
+        needed=_without_apex_or_te,
+        snippets=("step = torch.tensor(steps[0], dtype=torch.float)", 's["step"] = step'),
+        make=_the_saved_step_per_parameter,
+    ),
+    Patch(
+        name="distrib-optimizer-fp32-load", module="megatron.core.optimizer.distrib_optimizer",
+        attr="DistributedOptimizer._set_main_param_and_optimizer_states",
+        upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer."
+                 "_set_main_param_and_optimizer_states (fp32 parameters)",
+        **_CPU, why="a resume of the distributed optimizer in fp32 (CPU mode) copies the loaded shard into the main "
+        "parameter, a view of the model's parameter outside no_grad (RuntimeError: a view of a leaf Variable that "
+        "requires grad is being used in an in-place operation); the copy runs under no_grad",
+        snippets=(one_of('dst_tensors = {"param": main_param, **optim_state}',
+                         'dst_tensors = {"param": main_param}'),  # megatron-core 0.17+: tensors only
+                  "dst_tensors[key].copy_(tensors[key])"),
+        make=_set_without_grad,
     ),
     Patch(
         name="layer-wise-all-gather-v", module=_LAYER_WISE, attr="torch",

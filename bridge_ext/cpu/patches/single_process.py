@@ -121,6 +121,11 @@ TORCH_ON_CPU: dict[str, tuple[str, ...]] = {
         '"cuda_rng_state": torch.cuda.get_rng_state(),',
         'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])',
     ),
+    # provide_distributed_model: `model_module.cuda(torch.cuda.current_device())` (a CPU run on megatron-bridge 0.6
+    # reaches it, measured; on 0.3 it does not); its DDP stream: bridge_ext.cpu.patches.moved
+    "megatron.bridge.models.model_provider": (
+        'model_module.cuda(torch.cuda.current_device())',
+    ),
     # Megatron Bridge's training loop, batches, logging, checkpoints
     "megatron.bridge.training.setup": (
         'start_time_tensor = torch.tensor([state.start_time], dtype=torch.double, device="cuda")',
