@@ -7,10 +7,12 @@ signals it at a chosen file write of a save; the straight run and the exports ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -346,7 +348,6 @@ def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     initializer ran, killed the run this way under Slurm): held until training starts, the run stops after
     iteration 1. "training": once iteration 2 is recorded (the Manager and its resource tracker are running).
     Either way the run saves, exits 0, and no process of it outlives it."""
-    import signal
     import threading
 
     spraying = threading.Event()
@@ -406,15 +407,13 @@ if __name__ == "__main__":  # the writer's Manager is spawned: it imports this f
 
 
 @pytest.mark.slow
+@pytest.mark.once  # ~50 s; the writer's Manager per stack: tests/prove_patches.py runs it with the row off there
 def test_sigkilled_trainer_leaves_no_checkpoint_writer_process_behind(tmp_path):
     """A trainer killed with SIGKILL after its first torch_dist save takes every process of its session with it:
     megatron-core's writer starts a Manager server (and a resource tracker) at that save, which outlived the
     trainer until the ``checkpoint-writer-dies-with-trainer`` patch started it with PR_SET_PDEATHSIG. The run is the
     Python API's (Megatron Bridge's own ``pretrain()``): ``nemo llm pretrain`` starts that server itself before
     training (``kill_safe.keep_helpers_with_trainer``), where the patch alone would not show."""
-    import contextlib
-    import signal
-
     run, script, log = tmp_path / "run", tmp_path / "train.py", tmp_path / "train.log"
     script.write_text(API_TRAINER)
     with log.open("w") as out:  # the trainer is this process itself: one CPU process, no torchrun
