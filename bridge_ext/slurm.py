@@ -7,7 +7,8 @@ the job script's lines for ranks started by ``srun`` and for requeueing, and wha
 - :func:`setup_lines`: lines NeMo-Run puts in its sbatch script before ``srun`` (``SlurmExecutor.setup_lines``):
   the rendezvous address for ranks that ``srun`` starts directly (no torchrun: Slurm's signals reach every rank,
   and a rank that saved and exited 0 ends the step with 0), and, with ``--requeue``, an ``EXIT`` trap that
-  requeues the job when its run stopped on its exit signal (``scontrol requeue``; the next attempt resumes).
+  requeues the job when its run stopped on its exit signal or ``train.exit_duration_in_mins`` and saved
+  (``scontrol requeue``; the next attempt resumes).
 - :func:`adopt_slurm_ranks`, :func:`note_stopped_run`: in the ranks (``bridge_ext.commands.pretrain``).
 
 Time limits: ``--signal=TERM@S`` asks Slurm for SIGTERM ``S`` seconds before the limit (Slurm may send it up to
@@ -31,7 +32,7 @@ __all__ = ["RANKS_FROM", "REQUEUE_FILE", "adopt_slurm_ranks", "note_stopped_run"
            "scheduler_reason", "setup_lines"]
 
 RANKS_FROM = "BRIDGE_EXT_RANKS_FROM"  # "slurm": the launch started one process per rank with srun
-REQUEUE_FILE = "BRIDGE_EXT_REQUEUE_FILE"  # where rank 0 notes a run that stopped on its signal (--requeue)
+REQUEUE_FILE = "BRIDGE_EXT_REQUEUE_FILE"  # where rank 0 notes a run that stopped early and saved (--requeue)
 
 
 def parse_time(text: str) -> int:
@@ -95,10 +96,11 @@ def setup_lines(*, requeue_dir: Path | None) -> str:
     ]
     if requeue_dir is not None:
         lines += [
-            "# --requeue: a run stopped on its exit signal (time limit, preemption) saved; requeue to resume it",
+            "# --requeue: a run stopped on its exit signal (time limit, preemption) or train.exit_duration_in_mins "
+            "saved; requeue to resume it",
             f'export {REQUEUE_FILE}={shlex.quote(str(requeue_dir))}/.requeue-"$SLURM_JOB_ID"',
             f'trap \'if [ -f "${REQUEUE_FILE}" ]; then rm -f "${REQUEUE_FILE}"; '
-            'echo "requeueing job $SLURM_JOB_ID: the run saved on its exit signal"; '
+            'echo "requeueing job $SLURM_JOB_ID: the run stopped early and saved"; '
             'scontrol requeue "$SLURM_JOB_ID"; fi\' EXIT',
         ]
     return "\n".join(lines)
@@ -117,7 +119,8 @@ def adopt_slurm_ranks() -> None:
 
 
 def note_stopped_run() -> None:
-    """After a run stopped on its exit signal and saved: rank 0 leaves the file the job script's trap requeues on."""
+    """After a run stopped on its exit signal or time limit and saved: rank 0 leaves the file the job script's trap
+    requeues on."""
     path = os.environ.get(REQUEUE_FILE)
     if path and is_rank_zero():
-        Path(path).write_text(f"stopped on the exit signal; job {os.environ.get('SLURM_JOB_ID', '?')}\n")
+        Path(path).write_text(f"stopped early and saved; job {os.environ.get('SLURM_JOB_ID', '?')}\n")

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,10 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CPU_PARAM_LIMIT", "Prepared", "eval_recorder", "import_on_the_fly", "import_target", "loss_recorder",
            "prepare", "read_eval", "read_losses", "read_records", "records_losses_here", "run_finetune", "run_pretrain",
-           "train", "use_finetune_data", "write_loss_curve"]
+           "Stop", "train", "use_finetune_data", "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]
+Stop = Literal["signal", "time limit", "exit interval"]  # why a run stopped early, after saving
 
 CPU_PARAM_LIMIT = 2e9  # CPU mode is for proxies; anything bigger would take days or run out of memory
 
@@ -129,10 +131,12 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
     return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks, checksums=checksums, init=init)
 
 
-def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> bool:
+def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> Stop | None:
     """Megatron Bridge's ``pretrain()`` with its GPT ``forward_step``, kill-safe (``bridge_ext.kill_safe``).
 
-    Returns True when the run stopped early on its exit signal (SIGTERM) after saving, False otherwise.
+    Returns why the run stopped early after saving (``"signal"``: its exit signal, SIGTERM; ``"time limit"``:
+    ``train.exit_duration_in_mins``; ``"exit interval"``: ``train.exit_interval``), None when it ran to its last
+    iteration.
     """
     import gc
 
@@ -160,10 +164,15 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
         from bridge_ext.cpu import init_cpu_distributed
 
         init_cpu_distributed()  # one process: in-memory store, no port; several: torchrun's rendezvous over gloo
+    stopped: Stop | None = None
+    started = time.time()  # before Megatron Bridge's own start time: past its limit when it is
     try:
         pretrain(cfg, forward_step, callbacks=[*prepared.callbacks, *callbacks, stop])
-    except SystemExit as exc:  # Megatron Bridge ends a run stopped by its exit signal with sys.exit(0)
-        if exc.code not in (0, None) or not stop.received:
+    except SystemExit as exc:  # Megatron Bridge ends a run stopped early with sys.exit(0)
+        limit = cfg.train.exit_duration_in_mins
+        stopped = ("signal" if stop.received else "time limit" if limit and time.time() - started > 60 * limit
+                   else "exit interval" if cfg.train.exit_interval else None)
+        if exc.code not in (0, None) or stopped is None:
             raise
     finally:
         stop.release()
@@ -172,14 +181,14 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
         gc.collect()
         if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return stop.received
+    return stopped
 
 
 def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", checksums: bool = True,
-          init: Init = "by-name") -> bool:
+          init: Init = "by-name") -> Stop | None:
     """``nemo llm pretrain``'s run of a resolved config on this machine, with its console lines; in CPU mode
-    the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). True when it stopped early
-    on its exit signal (after saving)."""
+    the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). Why it stopped early, after
+    saving (the same command resumes it; :func:`run_pretrain`), or None."""
     import signal
 
     prepared = prepare(recipe, cfg, device=device, data=data, checksums=checksums, init=init)
@@ -201,7 +210,10 @@ def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "au
         from bridge_ext.checkpoints import read_tracker
 
         step = read_tracker(cfg.checkpoint.save)[0] if cfg.checkpoint.save else None
-        say(f"stopped on {signal.Signals(cfg.train.exit_signal).name}"
+        why = {"signal": f"on {signal.Signals(cfg.train.exit_signal).name}",
+               "time limit": f"at its time limit (train.exit_duration_in_mins={cfg.train.exit_duration_in_mins})",
+               "exit interval": f"at its exit interval (train.exit_interval={cfg.train.exit_interval})"}[stopped]
+        say(f"stopped {why}"
             + (f" at iteration {step}, saved to {cfg.checkpoint.save}; run the same command to resume"
                if step is not None else " (nothing saved)"), file=sys.stderr)
     if prepared.use_cpu:

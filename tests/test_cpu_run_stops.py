@@ -84,6 +84,10 @@ def test_a_time_limit_reached_stops_at_the_first_iteration_and_saves_it(nemo, tm
     assert "Exiting during evaluation, timelimit reached" in log  # eval.py's check, in the first validation
     assert re.search(r"exiting program after \d\S* minutes", log), log[-3000:]  # train.py's check
     assert not VALIDATION.search(log)  # the validation cut short prints no loss
+    # as after a stop on the exit signal: what stopped it, where it saved, the run's summary and loss curve
+    assert ("stopped at its time limit (train.exit_duration_in_mins=1e-06) at iteration 1, saved to "
+            f"{ckpt}; run the same command to resume") in result.stderr, result.stderr[-3000:]
+    assert f"loss curve:      {ckpt / 'loss.png'}" in result.stdout and (ckpt / "loss.png").stat().st_size > 0
 
 
 def test_a_nan_loss_stops_the_run_with_megatrons_message(tmp_path):

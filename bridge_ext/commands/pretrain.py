@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             console.log_to(log_file(resolved.cfg.checkpoint.save or f"nemo_experiments/{resolved.recipe.name}"))
         stopped = train(resolved.recipe, resolved.cfg, device=args.device, data=args.data, checksums=args.checksums,
                         init=args.init)
-    if stopped:
+    if stopped in ("signal", "time limit"):  # a Slurm job's cue to requeue (not a debugging exit interval)
         note_stopped_run()
     return 0
 
