@@ -63,7 +63,7 @@ PROVEN_BY: dict[str, str] = {
     "prebuilt-dataset-helpers": "tests/test_patches.py::test_dataset_helpers_are_the_prebuilt_ones",
     "scheduler-warmup-cap": "tests/test_patches.py::test_a_short_run_caps_the_warm_up_on_every_stack",
     "validate-without-gpu": "tests/test_dry_run_stack.py::test_the_dry_run_names_the_stack_and_the_fixes_it_applies",
-    "yaml-signal-target": "tests/test_override_walk.py::test_the_walk_of_optimizer_lr_visits_each_file_once",
+    "yaml-signal-target": "tests/test_build.py::test_yaml_round_trip_is_identical",
     "training-log-attention-logit": "tests/test_muon.py::test_pretrain_with_kimi_k2_preset_logs_telemetry",
     "sft-batches-in-dataset-order": "tests/test_finetune.py::test_finetuning_loaders_read_the_records_in_dataset_order",
     "sft-epochs-after-resume-from-the-start": ("tests/test_finetune.py::"
