@@ -40,9 +40,7 @@ SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-
 CPU_CODE_IN_CORE_0_16 = {"cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",
                          "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)"}
 CPU_CODE_IN_CORE_0_19 = {"cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
-                         # 0.19's layer-wise optimizer: a CUDA flag per grad-norm group, fp32 members left raw
-                         "cuda-on-cpu megatron.core.optimizer.layer_wise_optimizer "
-                         "(the layer-wise grad-norm group flag)",
+                         # 0.19's layer-wise optimizer: fp32 members left raw
                          "layer-wise-fp32-members"}
 # megatron-core 0.17 (MB 0.4): the DDP stream in megatron-bridge's models/common/unimodal.py, the MoE tracker
 # still in moe_utils.py (tracker_num_layers), the per-rank all-gather buffers

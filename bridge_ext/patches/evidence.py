@@ -28,6 +28,8 @@ _KILLS = "tests/test_kill_safe.py::test_killed_at_every_stage_of_a_save_resumes_
 _WRITER_KILLED = "tests/test_kill_safe.py::test_sigkilled_trainer_leaves_no_checkpoint_writer_process_behind"
 _TIME_LIMIT = "tests/test_cpu_run_stops.py::test_a_time_limit_never_reached_trains_and_validates_every_iteration"
 # the README's Python API script in a real process (Kimi K2 proxy: QK-clip, its max logit logged)
+# a CPU run of the Moonlight proxy (MLA without a query low-rank)
+_MOONLIGHT_RUN = "tests/test_initialization.py::test_redrawn_weights_have_upstreams_distributions[moonlight_proxy_muon]"
 _README = "tests/test_python_api.py::test_the_readme_script_trains_a_proxy_with_megatron_bridges_pretrain"
 _NAN_LOSS = "tests/test_cpu_run_stops.py::test_a_nan_loss_stops_the_run_with_megatrons_message"
 _REHEARSE = "tests/test_rehearse.py::test_kimi_k2_last_rank_layer_wise_muon_equals_plan"
@@ -55,8 +57,8 @@ PROVEN_BY: dict[str, str] = {
                                       "test_qk_clip_as_it_runs_now_keeps_a_negative_head_on_mla_and_gqa"),
     "mla-latent-norm-eps": _LATENT_EPS,
     "mla-latent-norm-eps (conversion)": _LATENT_EPS,
-    "mla-q-projection-without-norm": _MODELS,
-    "mla-q-projection-without-norm (conversion)": _MODELS,
+    "mla-q-projection-without-norm": _MOONLIGHT_RUN,
+    "mla-q-projection-without-norm (conversion)": _MOONLIGHT_RUN,
     "mla-rope-key-grad-tp": _LAYOUTS,
     "qk-clip-gqa-tp-shapes": "tests/test_muon_layouts.py::test_qk_clip_at_tp2_scales_each_query_group_as_one_process_does",
     "tp-weight-attributes-without-init": ("tests/test_tp_weight_attributes.py::"

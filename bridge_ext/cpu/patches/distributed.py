@@ -54,7 +54,8 @@ _DISTRIB_OPTIMIZER_TYPES = (
 # sizes differ (an all_gather_v); gloo requires equal sizes. megatron-core 0.16 gathers into `output_list`, 0.19
 # (`_allgather_helper`) into per-rank `gather_list` buffers of the actual sizes ("PyTorch's NCCL backend handles
 # uneven sizes"). The module's `torch` becomes CPU mode's stand-in, whose `distributed.all_gather` pads uneven
-# sizes to the largest and trims (redirect.DistributedOnCPU.all_gather).
+# sizes to the largest and trims (redirect.DistributedOnCPU.all_gather). The same stand-in answers the module's
+# other CUDA code: megatron-core 0.19's has_grad_norm_group agrees over ranks on a `device='cuda'` flag.
 _LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
 _LAYER_WISE_ALLGATHER = one_of("torch.distributed.all_gather(output_list, src, group=group)",
                                "torch.distributed.all_gather(gather_list, src, group=group)")

@@ -59,13 +59,6 @@ MOVED: dict[str, tuple[Home, ...]] = {
                        'values=torch.zeros(num_layers, device=value.device)'),
              cpu_safe=True),
     ),
-    # the layer-wise optimizer's grad-norm groups (megatron-core 0.19) agree over ranks on a CUDA flag
-    "the layer-wise grad-norm group flag": (
-        Home(module="megatron.core.optimizer.layer_wise_optimizer", release="megatron-core 0.19 (has_grad_norm_group)",
-             snippets=("flag = torch.tensor([1 if local else 0], dtype=torch.int, device='cuda')",)),
-        Home(module="megatron.core.optimizer.layer_wise_optimizer", release="megatron-core 0.16 (no grad-norm groups)",
-             snippets=("def has_grad_norm_group(",), cpu_safe=True, absent=True),
-    ),
 }
 
 
