@@ -34,6 +34,8 @@ PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 # megatron-bridge 0.3 exports SequentialMLP experts through int('') and keeps their local numbers under EP
 # (0.4 reads local_experts.<N> on export, 0.6 also globalizes it; 0.4's KimiK2Bridge lacks their mappings)
 SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
+# megatron-bridge 0.3-0.4's deepseek/common.py maps only grouped-GEMM expert names (0.5 maps local_experts too)
+DEEPSEEK_GROUPED_NAMES_ONLY = {"deepseek-sequential-expert-mappings"}
 # CPU mode's CUDA code where each release keeps it (bridge_ext.cpu.patches.moved: the DDP wrapping's stream in
 # megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
 # tracker in 0.16 only)
@@ -60,12 +62,14 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          "slurm-without-container",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
+                         *DEEPSEEK_GROUPED_NAMES_ONLY,
                          *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
     # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the
     # SequentialMLP and expert-bias mappings, local expert numbers stay local (its export reads local_experts.<N>)
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
+                         *DEEPSEEK_GROUPED_NAMES_ONLY,
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target",
                          *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes

@@ -25,9 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_ext.patching import Patch
-from bridge_ext.stack import UpstreamDrift, package_of
+from bridge_ext.stack import UpstreamDrift, module_source, package_of
 
 __all__ = ["PATCHES"]
+
+
+def _deepseek_maps_no_sequential_experts() -> bool:
+    return "local_experts" not in module_source("megatron.bridge.models.deepseek.common")
 
 
 def _with_sequential_expert_mappings(original: Callable) -> Callable:
@@ -199,7 +203,8 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.bridge.models.deepseek.deepseek_v3_bridge", attr="DeepSeekV3Bridge.mapping_registry",
         upstream="megatron/bridge/models/deepseek/common.py: expert mappings for grouped-GEMM names only",
         why="SequentialMLP experts (local_experts.<N>) would be skipped with a warning: neither loaded nor exported",
-        when="always (each mapping is added only where the bridge lacks it)",
+        when="where deepseek/common.py maps no local_experts names (megatron-bridge 0.3-0.4; 0.5 maps them)",
+        needed=_deepseek_maps_no_sequential_experts,
         make=_with_sequential_expert_mappings,
     ),
     Patch(

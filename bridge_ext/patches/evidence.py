@@ -78,7 +78,9 @@ PROVEN_BY: dict[str, str] = {
     "checkpoint-writer-dies-with-trainer (get_write_results_queue)": _WRITER_KILLED,
     "relayout-optimizer-load": _PARALLEL,
     "param-group-identity": _LAYER_WISE,
-    "deepseek-sequential-expert-mappings": _KIMI_EXPORT,
+    "deepseek-sequential-expert-mappings": ("tests/test_convert_stream.py::"  # Moonlight: DeepSeek-V3's bridge
+                                            "test_streamed_export_equals_the_model_built_export_and_the_source"
+                                            "[moonlight]"),
     "kimi-k2-bridge-mappings": _KIMI_EXPORT,
     "sequential-expert-export": _KIMI_EXPORT,
     "sequential-expert-numbers": "tests/test_convert_distributed.py::test_two_process_conversions_equal_one_process",
