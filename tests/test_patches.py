@@ -36,6 +36,9 @@ PARAM_GROUPS_BY_FOUR_KEYS = {"param-group-identity"}
 SEQUENTIAL_EXPERTS_BEFORE_0_4 = {"sequential-expert-export", "sequential-expert-numbers"}
 # megatron-bridge 0.3-0.4's deepseek/common.py maps only grouped-GEMM expert names (0.5 maps local_experts too)
 DEEPSEEK_GROUPED_NAMES_ONLY = {"deepseek-sequential-expert-mappings"}
+# megatron-core 0.16 without TE: MLA's own HAVE_TE is True (a mocked import), moe_utils binds te_general_gemm only
+# in its TE try, the distributed optimizer's resume copies non-tensor state too (0.17 fixed all three)
+CPU_FIXED_IN_CORE_0_17 = {"mla-have-te", "moe-te-general-gemm", "distrib-optimizer-fp32-load"}
 # CPU mode's CUDA code where each release keeps it (bridge_ext.cpu.patches.moved: the DDP wrapping's stream in
 # megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
 # tracker in 0.16 only)
@@ -62,7 +65,7 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          "slurm-without-container",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
-                         *DEEPSEEK_GROUPED_NAMES_ONLY,
+                         *DEEPSEEK_GROUPED_NAMES_ONLY, *CPU_FIXED_IN_CORE_0_17,
                          *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
     # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the

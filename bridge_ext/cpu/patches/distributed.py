@@ -163,6 +163,9 @@ def _the_saved_step_per_parameter(load_state_dict: Any) -> Any:
     return load_state_dict_with_the_saved_step
 
 
+_COPIES_ALL_STATE = 'dst_tensors = {"param": main_param, **optim_state}'  # megatron-core 0.16
+
+
 def _set_without_grad(set_states: Any) -> Any:
     def set_main_param_and_optimizer_states(self, model_param: Any, tensors: Any) -> None:
         with real_torch().no_grad():  # an fp32 main parameter is a view of the model's (a leaf that needs grad)
@@ -218,10 +221,13 @@ PATCHES: tuple[Patch, ...] = (
         attr="DistributedOptimizer._set_main_param_and_optimizer_states",
         upstream="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer."
                  "_set_main_param_and_optimizer_states (fp32 parameters)",
-        **_CPU, why="a resume of the distributed optimizer in fp32 (CPU mode) copies the loaded shard into the main "
+        **{**_CPU, "when": "CPU mode, where the copy also takes the optimizer state's non-tensors (megatron-core "
+                           "0.16; 0.17 copies tensors only and resumes without it, measured)"},
+        why="a resume of the distributed optimizer in fp32 (CPU mode) copies the loaded shard into the main "
         "parameter, a view of the model's parameter outside no_grad (RuntimeError: a view of a leaf Variable that "
         "requires grad is being used in an in-place operation); the copy runs under no_grad",
-        snippets=(one_of('dst_tensors = {"param": main_param, **optim_state}',
+        needed=lambda: _COPIES_ALL_STATE in module_source("megatron.core.optimizer.distrib_optimizer"),
+        snippets=(one_of(_COPIES_ALL_STATE,
                          'dst_tensors = {"param": main_param}'),  # megatron-core 0.17+: tensors only
                   "dst_tensors[key].copy_(tensors[key])"),
         make=_set_without_grad,

@@ -16,6 +16,7 @@ from typing import Any
 from bridge_ext.cpu.patches.redirect import real_torch
 from bridge_ext.cpu.sdpa_attention import SDPACoreAttention
 from bridge_ext.patching import Patch, one_of
+from bridge_ext.stack import module_source
 
 __all__ = ["CLAIMS_GPU", "PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 
@@ -243,7 +244,11 @@ def _clip_grads_fp32(old: Any) -> Callable:
 
 
 def _cpu(**fields: Any) -> Patch:
-    return Patch(area="cpu", scope="cpu", when="CPU mode", **fields)
+    return Patch(**{"area": "cpu", "scope": "cpu", "when": "CPU mode", **fields})
+
+
+_SETS_ITS_OWN_HAVE_TE = "    HAVE_TE = True"  # multi_latent_attention.py's own try/except (megatron-core 0.16)
+_GEMM_IMPORTED = "        te_general_gemm,\n"  # moe_utils.py imports it in its TE try, and 0.17+ in the except too
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -290,11 +295,13 @@ PATCHES: tuple[Patch, ...] = (
         make=_clip_grads_fp32,
     ),
     _cpu(
-        name="mla-have-te",
+        name="mla-have-te", when="CPU mode, where MLA sets HAVE_TE from its own TE import (megatron-core 0.16; 0.17 "
+                                 "imports extensions.transformer_engine's)",
         upstream="megatron/core/transformer/multi_latent_attention.py HAVE_TE, isinstance(self.linear_proj, TELinear)",
         module="megatron.core.transformer.multi_latent_attention",
         attr="HAVE_TE",
         snippets=("HAVE_TE", "isinstance(self.linear_proj, TELinear)"),
+        needed=lambda: _SETS_ITS_OWN_HAVE_TE in module_source("megatron.core.transformer.multi_latent_attention"),
         why="without TE, extensions/transformer_engine.py:76 makes `te` a MagicMock, so the import succeeds, "
         "HAVE_TE is True and TELinear is a MagicMock instance: isinstance() raises TypeError",
         make=lambda old: False,
@@ -309,11 +316,13 @@ PATCHES: tuple[Patch, ...] = (
         make=lambda old: _rng_state_set,
     ),
     _cpu(
-        name="moe-te-general-gemm",
+        name="moe-te-general-gemm", when="CPU mode, where only the TE import binds the name (megatron-core 0.16; "
+                                         "0.17 also imports a fallback)",
         upstream="megatron/core/transformer/moe/moe_utils.py te_general_gemm (bound only when TE imports)",
         module="megatron.core.transformer.moe.moe_utils",
         attr="te_general_gemm",
         snippets=("te_general_gemm is not None",),
+        needed=lambda: module_source("megatron.core.transformer.moe.moe_utils").count(_GEMM_IMPORTED) < 2,
         why="without TE the name is never bound (only imported in a try block): NameError in every router",
         make=lambda old: None,
         must_exist=False,
