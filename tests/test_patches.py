@@ -39,6 +39,8 @@ DEEPSEEK_GROUPED_NAMES_ONLY = {"deepseek-sequential-expert-mappings"}
 # megatron-core 0.16 without TE: MLA's own HAVE_TE is True (a mocked import), moe_utils binds te_general_gemm only
 # in its TE try, the distributed optimizer's resume copies non-tensor state too (0.17 fixed all three)
 CPU_FIXED_IN_CORE_0_17 = {"mla-have-te", "moe-te-general-gemm", "distrib-optimizer-fp32-load"}
+# megatron-core 0.16-0.17's Muon builder chains an Adam part even when nothing is Adam's (LoRA with Muon)
+EMPTY_ADAM_BEFORE_0_18 = {"muon-lora-no-empty-adam"}
 # CPU mode's CUDA code where each release keeps it (bridge_ext.cpu.patches.moved: the DDP wrapping's stream in
 # megatron-bridge 0.3's model_provider.py, megatron-core 0.19's megatron/training/models/dist_utils.py; the MoE
 # tracker in 0.16 only)
@@ -65,14 +67,14 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     ("0.3.0", "0.1.0"): {"prebuilt-dataset-helpers", "scheduler-warmup-cap", "checkpoint-writer-dies-with-trainer",
                          "slurm-without-container",
                          *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS, *SEQUENTIAL_EXPERTS_BEFORE_0_4,
-                         *DEEPSEEK_GROUPED_NAMES_ONLY, *CPU_FIXED_IN_CORE_0_17,
+                         *DEEPSEEK_GROUPED_NAMES_ONLY, *CPU_FIXED_IN_CORE_0_17, *EMPTY_ADAM_BEFORE_0_18,
                          *CPU_CODE_IN_CORE_0_16, *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.04.01: megatron-core 0.17 still defines Muon in muon.py, checks the coefficient set (only 'quintic' with
     # emerging-optimizers 0.1.0), matches param groups by four keys; MB 0.4's KimiK2Bridge lacks the
     # SequentialMLP and expert-bias mappings, local expert numbers stay local (its export reads local_experts.<N>)
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
-                         *DEEPSEEK_GROUPED_NAMES_ONLY,
+                         *DEEPSEEK_GROUPED_NAMES_ONLY, *EMPTY_ADAM_BEFORE_0_18,
                          *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target",
                          *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes

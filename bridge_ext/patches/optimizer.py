@@ -38,7 +38,7 @@ from bridge_ext.muon.clip import bridge_clip_qk
 from bridge_ext.muon.runtime import GATE_UP_SPLIT, NS_COEFFICIENTS, ns_coefficients_default
 from bridge_ext.muon.split import gate_up_apart, marking_gate_up
 from bridge_ext.patching import Patch
-from bridge_ext.stack import UpstreamDrift, call_keywords, package_of, signature_params
+from bridge_ext.stack import UpstreamDrift, call_keywords, module_source, package_of, signature_params
 
 __all__ = ["PATCHES", "renamed_kwarg"]
 
@@ -209,7 +209,9 @@ PATCHES: tuple[Patch, ...] = (
         upstream="megatron/core/optimizer/muon.py get_megatron_muon_optimizer: always chains the Adam part",
         why="with only LoRA's A and B training (all matrices) the Adam part wraps None and the first checkpoint "
             "save fails in its state_dict; only parts that hold parameters are chained",
-        when="LoRA fine-tuning with a Muon preset",
+        when="LoRA fine-tuning with a Muon preset, where megatron-core's Muon builder chains an Adam part whatever it "
+             "holds (0.16-0.17 muon.py; 0.18 builds through get_megatron_optimizer, measured without the row)",
+        needed=lambda: "chained_adam = get_megatron_optimizer(" in module_source("megatron.core.optimizer.muon"),
         snippets=("get_megatron_muon_optimizer(",),
         make=_without_empty_parts,
     ),
