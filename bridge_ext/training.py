@@ -35,9 +35,9 @@ from bridge_ext.runtime import is_last_rank, is_rank_zero, world_size
 if TYPE_CHECKING:
     from recipes import Recipe
 
-__all__ = ["CPU_PARAM_LIMIT", "Prepared", "eval_recorder", "import_on_the_fly", "import_target", "loss_recorder",
-           "prepare", "read_eval", "read_losses", "read_records", "records_losses_here", "run_finetune", "run_pretrain",
-           "Stop", "train", "use_finetune_data", "write_loss_curve"]
+__all__ = ["CPU_PARAM_LIMIT", "Prepared", "Stop", "eval_recorder", "import_on_the_fly", "import_target",
+           "loss_recorder", "prepare", "read_eval", "read_losses", "read_records", "records_losses_here",
+           "run_finetune", "run_pretrain", "train", "use_finetune_data", "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]

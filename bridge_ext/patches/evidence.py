@@ -27,9 +27,9 @@ _LEAKS = "tests/test_cpu_mode.py::test_training_runs_in_one_process_free_their_m
 _KILLS = "tests/test_kill_safe.py::test_killed_at_every_stage_of_a_save_resumes_exactly"
 _WRITER_KILLED = "tests/test_kill_safe.py::test_sigkilled_trainer_leaves_no_checkpoint_writer_process_behind"
 _TIME_LIMIT = "tests/test_cpu_run_stops.py::test_a_time_limit_never_reached_trains_and_validates_every_iteration"
-# the README's Python API script in a real process (Kimi K2 proxy: QK-clip, its max logit logged)
 # a CPU run of the Moonlight proxy (MLA without a query low-rank)
 _MOONLIGHT_RUN = "tests/test_initialization.py::test_redrawn_weights_have_upstreams_distributions[moonlight_proxy_muon]"
+# the README's Python API script in a real process (Kimi K2 proxy: QK-clip, its max logit logged)
 _README = "tests/test_python_api.py::test_the_readme_script_trains_a_proxy_with_megatron_bridges_pretrain"
 _NAN_LOSS = "tests/test_cpu_run_stops.py::test_a_nan_loss_stops_the_run_with_megatrons_message"
 _REHEARSE = "tests/test_rehearse.py::test_kimi_k2_last_rank_layer_wise_muon_equals_plan"
@@ -49,7 +49,7 @@ PROVEN_BY: dict[str, str] = {
     "muon-gate-up-params": _SPLIT,
     "muon-gate-up-split": _SPLIT,
     "muon-gate-up-split (emerging_optimizers)": _SPLIT,
-    "muon-clip-any-wrapper": _README,  # a real process: the in-process run hangs after the error
+    "muon-clip-any-wrapper": _README,  # a real process: the same run inside pytest hung after the error
     "muon-lora-no-empty-adam": "tests/test_finetune.py::test_lora_trains_only_adapters_and_merged_export_matches_megatron",
     "muon-coefficient-types": _NS,
     "qk-clip-nonpositive-logit-mla": _NONPOSITIVE,
@@ -67,7 +67,7 @@ PROVEN_BY: dict[str, str] = {
     "scheduler-warmup-cap": "tests/test_patches.py::test_a_short_run_caps_the_warm_up_on_every_stack",
     "validate-without-gpu": "tests/test_dry_run_stack.py::test_the_dry_run_names_the_stack_and_the_fixes_it_applies",
     "yaml-signal-target": "tests/test_build.py::test_yaml_round_trip_is_identical",
-    "training-log-attention-logit": _README,  # a real process: the in-process run hangs after the error
+    "training-log-attention-logit": _README,  # a real process: the same run inside pytest hung after the error
     "sft-batches-in-dataset-order": "tests/test_finetune.py::test_finetuning_loaders_read_the_records_in_dataset_order",
     "sft-epochs-after-resume-from-the-start": ("tests/test_finetune.py::"
                                               "test_finetuning_loaders_read_the_records_in_dataset_order"),
