@@ -9,6 +9,9 @@
 #   26.08     (.venv-26.08)    NeMo 26.08: 0.6.0 / 0.19.0 / 0.2.0, NeMo-Run 0.10.0, PyTorch 2.13
 #   newest    (.venv-newest)   the newest releases on the package index: 0.6.2 / 0.19.2 / 0.3.0, PyTorch 2.14.1
 SHELL := /bin/bash
+# Python writes each module's bytecode on its first import (uv installs without compiling it; an environment
+# that sets PYTHONDONTWRITEBYTECODE would make every process compile its ~9,000 modules again: ~28 s each).
+unexport PYTHONDONTWRITEBYTECODE
 STACK ?= 26.02
 STACKS := 26.02 26.04.01 26.06.01 26.08 newest
 ifneq ($(words $(STACK)) $(filter $(STACK),$(STACKS)),1 $(STACK))
@@ -78,11 +81,18 @@ install: $(STAMP)
 $(LOCK):
 	@echo "error: $(LOCK) is missing; write it with make lock STACK=$(STACK) (network)"; exit 2
 
-$(STAMP): $(LOCK) $(wildcard $(PLATFORM_REQS)) pyproject.toml | check-wheels
+# The lock's packages go in with uv's `pip install` (requirements/installer.txt: pinned by hash; ~20 s a lock where
+# pip takes ~190 s), or with pip where uv cannot install; the same lock, --no-deps either way.
+# (decided by the shell as each line runs: make expands a recipe's lines before running its first)
+INSTALLER = $$([ -x $(VENV)/bin/uv ] && echo '$(VENV)/bin/uv pip install --python $(PY)' || echo '$(PY) -m pip install')
+
+$(STAMP): $(LOCK) $(wildcard $(PLATFORM_REQS)) pyproject.toml requirements/installer.txt | check-wheels
 	$(MAKE_VENV)
-	$(PY) -m pip install --no-deps --find-links $(WHEELS) -r $(LOCK)
+	@$(PY) -m pip install -q --no-deps --require-hashes -r requirements/installer.txt \
+	  || echo "uv did not install (requirements/installer.txt); installing the lock with pip"
+	$(INSTALLER) --no-deps --find-links $(WHEELS) -r $(LOCK)
 	$(PLATFORM_PASS)
-	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	$(INSTALLER) --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -96,11 +106,15 @@ demo: install
 	  checkpoint.load=$(DEMO_RUN)/checkpoints logger.tensorboard_dir=$(DEMO_RUN)/tb_logs
 
 # PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's 26.08 run).
+# Two workers, whole modules each (--dist loadfile: a module's fixtures are made once), the costliest modules
+# first (tests/conftest.py), so both end together; docs/testing.md.
+PYTEST_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: install
-	$(PY) -m pytest -n 2 --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=15 $(PYTEST_ARGS)
 
 test-fast: install  # everything but the tests marked slow
-	$(PY) -m pytest -n 2 -m "not slow"
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 generate: install  # regenerate yaml/<recipe>.yaml and docs/recipes.md from the Python recipes
 	$(PY) -m bridge_ext.generate
