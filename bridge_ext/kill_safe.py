@@ -18,7 +18,10 @@
   is called nowhere for the trainer); this callback installs it when training starts.
 * :func:`held_exit_signal`: from the command's start until training starts, the exit signal is noted instead of
   killing the process (Slurm's time-limit SIGTERM or a preemption can come while the run imports, builds or
-  loads); :func:`graceful_stop` then stops the run after its first iteration, with a save.
+  loads); :func:`graceful_stop` then stops the run after its first iteration, with a save. After training ends
+  it is noted again until the command returns: Slurm's time-limit signal comes from a sweep every 30 s, so it can
+  land after the last iteration, while the run tears down; the run has finished and saved, and it exits 0 saying
+  so (before, it died of the signal with 143 and the job ended FAILED, not requeued).
 * :func:`keep_helpers_with_trainer`: helper processes of a save die with the trainer, even on SIGKILL.
 
 Top-level imports stay light: the helper processes import this module to run :func:`exit_with_parent`.
@@ -307,6 +310,10 @@ def stop_line(cfg: Any) -> str | None:
 class _Hold:
     previous: Any  # the handler before the hold
     received: bool = False
+    after_training: bool = False  # training ran and ended: a signal now finds nothing left to stop
+
+    def note(self, signum: int, frame: Any) -> None:
+        self.received = True
 
     def release(self, sig: int) -> None:
         """Hand the signal back to the previous handler; one that came meanwhile is delivered to it now."""
@@ -327,18 +334,19 @@ def held_exit_signal(sig: int = signal.SIGTERM):
         yield
         return
     hold = _holds[sig] = _Hold(previous=signal.getsignal(sig))
-
-    def note(signum: int, frame: Any) -> None:
-        hold.received = True
-
-    signal.signal(sig, note)
+    signal.signal(sig, hold.note)
     try:
         yield
     finally:
         if _holds.pop(sig, None) is hold:
-            if hold.received:  # the run ended before training started (an error, or nothing to train)
-                print(f"{signal.Signals(sig).name} came before training started: the run ends, nothing saved",
-                      file=sys.stderr, flush=True)
+            name = signal.Signals(sig).name
+            if hold.received and hold.after_training:  # the run finished (and saved) before it came
+                print(f"{name} came after training ended: nothing left to stop", file=sys.stderr,
+                      flush=True)
+                hold.received = False
+            elif hold.received:  # the run ended before training started (an error, or nothing to train)
+                print(f"{name} came before training started: the run ends, nothing saved", file=sys.stderr,
+                      flush=True)
             hold.release(sig)
 
 
@@ -350,7 +358,8 @@ def _in_main_thread() -> bool:
 
 def graceful_stop():
     """A Megatron Bridge callback that installs ``state.signal_handler`` when training starts (and removes it
-    when the run ends, :meth:`release`). Repeated signals during the save are absorbed; SIGKILL still stops.
+    when the run ends, :meth:`release`: under :func:`held_exit_signal` the signal is then held again until the
+    command returns). Repeated signals during the save are absorbed; SIGKILL still stops.
 
     The signal itself is only noted; upstream's handler (which prints) is called at the end of the training
     step, before Megatron Bridge checks it (``train.py``: ``on_train_step_end`` fires before
@@ -363,6 +372,7 @@ def graceful_stop():
         handler: Any = None
         upstream: Any = None  # upstream's handler, called from on_train_step_end
         sig: int | None = None
+        hold: _Hold | None = None  # held_exit_signal's, kept for the end of training
         came = False  # the exit signal arrived (set in the signal handler: nothing else happens there)
         received = False  # upstream was told: the run stops after this step, on purpose
 
@@ -372,7 +382,7 @@ def graceful_stop():
                     _holds.pop(sig).release(sig)
                 return
             handler = context.state.signal_handler
-            hold = _holds.pop(handler.sig, None)
+            hold = self.hold = _holds.get(handler.sig)
             if hold is not None:  # upstream's handler restores the one before the hold when the run ends
                 signal.signal(handler.sig, hold.previous)
             current = signal.getsignal(handler.sig)
@@ -386,9 +396,9 @@ def graceful_stop():
 
             signal.signal(handler.sig, note)
             if hold is not None and hold.received:  # it came while the run was starting: stop after one iteration
-                self.came = True
-            for sig in list(_holds):  # another signal held (the config stops on a different one): released
-                _holds.pop(sig).release(sig)
+                self.came, hold.received = True, False
+            for sig in [sig for sig in _holds if sig != handler.sig]:  # another signal held (the config stops on
+                _holds.pop(sig).release(sig)  # a different one): released
 
         def on_train_step_end(self, context: Any) -> None:
             if self.came and not self.received:
@@ -399,6 +409,9 @@ def graceful_stop():
             if self.handler is not None:
                 self.handler.release()
                 self.handler = None
+            if self.hold is not None and _holds.get(self.sig) is self.hold:  # held again until the command returns
+                self.hold.after_training = True
+                signal.signal(self.sig, self.hold.note)
 
     return GracefulStop()
 

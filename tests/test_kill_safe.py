@@ -391,6 +391,39 @@ def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     assert session_processes(proc.pid) == []
 
 
+def test_an_exit_signal_after_training_ended_is_noted_not_fatal(capsys):
+    """Slurm's time-limit signal comes from a sweep every 30 s: it can land after the last iteration, while the run
+    tears down (job 205 of the Slurm test: trained and saved, then died of SIGTERM with 143, the job FAILED, nothing
+    requeued). Under the command's hold (``held_exit_signal``) the run's own handler (upstream's
+    ``DistributedSignalHandler``, installed by ``graceful_stop``) hands the signal back to the hold when training
+    ends, not to the handler from before the command: the signal is noted, said in one line, and not delivered."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler
+
+    from bridge_ext.kill_safe import graceful_stop, held_exit_signal
+
+    delivered = []  # stands in for the default action (the process would die of it)
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: delivered.append(signum))
+    try:
+        with held_exit_signal():
+            stop = graceful_stop()
+            train = SimpleNamespace(exit_signal_handler=True)
+            context = SimpleNamespace(state=SimpleNamespace(cfg=SimpleNamespace(train=train),
+                                                            signal_handler=DistributedSignalHandler(signal.SIGTERM)))
+            stop.on_train_start(context)
+            stop.on_train_step_end(context)
+            stop.release()  # training ended (run_pretrain's finally)
+            signal.raise_signal(signal.SIGTERM)
+            assert delivered == [] and not stop.came  # noted, not delivered; the run was not told to stop
+        assert delivered == []
+        assert "SIGTERM came after training ended: nothing left to stop\n" in capsys.readouterr().err
+        signal.raise_signal(signal.SIGTERM)  # the command returned: the handler from before it is back
+        assert delivered == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 # Megatron Bridge's own pretrain() after prepare_for_this_machine (README, "Python API"): no bridge_ext code runs
 # between the two, so the checkpoint writer's Manager is whatever the checkpointing patches make it at the first save
 API_TRAINER = """\

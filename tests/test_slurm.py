@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,11 @@ ITERS = 30
 # The first iterations are held to the layout matrix's tolerance, the rest to a bound on that drift.
 EARLY, EARLY_TOLERANCE, DRIFT_TOLERANCE = 5, 2e-6, 5e-3
 TP_EARLY_TOLERANCE = 2e-5  # TP2 sums its matmuls in another order: 6.7e-6 from one process by iteration 5 (measured)
+SWEEP = "Testing job time limits"  # slurmctld's line for its time-limit sweep (controller.c)
+# The time-limited job's signal comes this long after its submission starts: within the run's setup (~16 s idle,
+# the signal held until training starts) or its iterations, with the submission's own seconds and a second of
+# the sweep's drift on either side
+SIGNAL_AFTER_SUBMIT = 15
 SUBMIT = ["--executor", "slurm", "--account", "tests", "--partition", "cpu", "--container-image", "none",
           "--packager", "none"]
 pytestmark = [pytest.mark.slurm, pytest.mark.once, pytest.mark.slow]
@@ -42,6 +48,24 @@ def submit(nemo, tmp: Path, name: str, layout: str, *options: str) -> tuple[str,
     job_id = re.search(r"^submitted Slurm job (\d+)$", result.stdout, re.M).group(1)
     assert f"squeue -j {job_id}" in result.stdout and f"checkpoints: {run}" in result.stdout
     return job_id, run, job_dir
+
+
+def submit_before_a_sweep(nemo, tmp: Path, name: str, layout: str, *options: str) -> tuple[str, Path, Path]:
+    """:func:`submit`, timed so that slurmctld's next time-limit sweep comes SIGNAL_AFTER_SUBMIT s after the
+    submission starts. A ``--signal`` is sent by that sweep only (controller.c: every PERIODIC_TIMEOUT, 30 s,
+    logged at debug2: tests/slurm/cluster.sh), so untimed it lands 0-30 s after the job starts; the proxy's
+    setup and 30 iterations take ~19 s on an idle machine, and a signal after them found a finished run (job 205,
+    2026-12-06: 'requeued and finished not within 300 s', one run in three)."""
+    log = Path(os.environ["SLURM_CONF"]).parent / "log" / "slurmctld.log"
+    sweeps = [datetime.fromisoformat(m.group(1)).timestamp()
+              for m in re.finditer(rf"^\[([\d\-T:.]+)\] debug2: {SWEEP}", log.read_text(), re.M)]
+    assert len(sweeps) >= 2, f"no time-limit sweeps in {log} (SlurmctldDebug=debug2 logs them)"
+    period = sorted(b - a for a, b in zip(sweeps, sweeps[1:]))[len(sweeps) // 2 - 1]  # the median: 30-31 s
+    next_sweep = sweeps[-1] + period
+    while next_sweep < time.time() + SIGNAL_AFTER_SUBMIT:
+        next_sweep += period
+    time.sleep(next_sweep - SIGNAL_AFTER_SUBMIT - time.time())
+    return submit(nemo, tmp, name, layout, *options)
 
 
 def slurm_job(job_id: str) -> dict[str, str]:
@@ -129,10 +153,11 @@ def test_submitted_runs_and_stopped_requeued_runs_equal_the_one_process_run(on_c
     assert losses(tp2[1])[1] == losses(reference)[1], "cpu-tp2 starts from the one-process weights"
     assert slurm_job(dp2[0])["NodeList"] == "n[1-2]"  # one rank on each node: a two-node rendezvous
 
-    # Slurm sends the signal when the limit is at most --stop-before away, up to 60 s early: here within seconds
-    # of the start; the 2 minutes leave a loaded machine time to start, train one iteration and save
-    limited = submit(nemo, tmp_path, "time-limit", "cpu-dp2", "--time", "00:02:00", "--stop-before", "100",
-                     "--requeue")
+    # Slurm's sweep sends the signal once the limit is --stop-before + 30 s away: here at its first sweep after
+    # the start, timed to come during the run (submit_before_a_sweep); the 2 minutes leave a loaded machine time
+    # to start, train one iteration and save
+    limited = submit_before_a_sweep(nemo, tmp_path, "time-limit", "cpu-dp2", "--time", "00:02:00",
+                                    "--stop-before", "100", "--requeue")
     wait_for(limited[0], lambda job: int(job["Restarts"]) >= 1 or finished(job), timeout=240,
              what="requeued after its time limit")
     # On an idle machine the requeued attempt can finish before the update ("Job has already finished": the refusal

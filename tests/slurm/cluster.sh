@@ -86,6 +86,9 @@ SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
+# debug2 logs each time-limit sweep ("Testing job time limits", every 30 s): the Slurm test times its
+# time-limited job by it (tests/test_slurm.py, submit_before_a_sweep)
+SlurmctldDebug=debug2
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 EOF
   local port=$((CTLD_PORT + 1))
