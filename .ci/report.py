@@ -17,11 +17,11 @@ __all__ = ["counts", "slowest", "stack_lines", "table"]
 TARGET_S = 2700  # the whole CI run's target: 45 minutes on 2 cores, installs included (issue 48)
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)")
 _SUMMARY = re.compile(r"^=+ .*\b(passed|failed|errors?|skipped|no tests ran)\b.* in [\d.]+s.*=+$")
-_DURATION = re.compile(r"^\s*([\d.]+)s (call|setup|teardown)\s+(\S+)")
+_DURATION = re.compile(r"^\s*([\d.]+)s (call|setup|teardown)\s+(\S.*?)\s*$")  # an id may hold spaces
 _STACK_LINE = re.compile(
     r"^ci: STACK=(?P<stack>\S+) install (?P<install>\d+) s, pytest (?P<pytest>\d+) s: (?P<counts>.*?) "
     r"\((?P<selection>.*)\)$")
-_SLOW_LINE = re.compile(r"^ci: STACK=(?P<stack>\S+) slow: +(?P<seconds>[\d.]+) s (?P<test>\S+)$")
+_SLOW_LINE = re.compile(r"^ci: STACK=(?P<stack>\S+) slow: +(?P<seconds>[\d.]+) s (?P<test>.+)$")
 
 
 def counts(log: str) -> dict[str, int]:
