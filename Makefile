@@ -10,8 +10,8 @@
 #   newest    (.venv-newest)   the newest releases on the package index: 0.6.2 / 0.19.2 / 0.3.0, PyTorch 2.14.1
 SHELL := /bin/bash
 # Bytecode: uv compiles the lock's at install (--compile-bytecode, as pip does: compiled lazily instead, the
-# processes a test starts at once each compiled the same modules, and a fresh 26.08 venv ran its CI selection in
-# 435 s where a compiled one takes ~300 s); our own modules and pytest's rewritten tests are written on first
+# processes a test starts at once each compiled the same modules: a fresh 26.08 venv ran its CI selection in 435 s,
+# 375 s compiled at install, docs/testing.md); our own modules and pytest's rewritten tests are written on first
 # import even where the environment sets PYTHONDONTWRITEBYTECODE (this one does).
 unexport PYTHONDONTWRITEBYTECODE
 STACK ?= 26.02
@@ -83,8 +83,9 @@ install: $(STAMP)
 $(LOCK):
 	@echo "error: $(LOCK) is missing; write it with make lock STACK=$(STACK) (network)"; exit 2
 
-# The lock's packages go in with uv's `pip install` (requirements/installer.txt: pinned by hash; ~20 s a lock where
-# pip takes ~190 s), or with pip where uv cannot install; the same lock, --no-deps either way.
+# The lock's packages go in with uv's `pip install` (requirements/installer.txt: pinned by hash; 61 s for 26.08's
+# lock with its bytecode, where pip took 200 s for 26.02's), or with pip where uv cannot install; the same lock,
+# --no-deps either way.
 # (decided by the shell as each line runs: make expands a recipe's lines before running its first)
 INSTALLER = $$([ -x $(VENV)/bin/uv ] && echo '$(VENV)/bin/uv pip install --python $(PY)' || echo '$(PY) -m pip install')
 
