@@ -65,7 +65,8 @@ def submit_before_a_sweep(nemo, tmp: Path, name: str, layout: str, *options: str
         assert time.monotonic() < deadline, f"no time-limit sweep in {log} (SlurmctldDebug=debug2 logs them)"
         time.sleep(1)
     # the measured period where two sweeps are logged (30-31 s: the loop wakes every second), else Slurm's constant
-    period = sorted(b - a for a, b in zip(sweeps, sweeps[1:]))[len(sweeps) // 2 - 1] if len(sweeps) > 1 else SWEEP_PERIOD
+    gaps = sorted(b - a for a, b in zip(sweeps, sweeps[1:]))
+    period = gaps[len(gaps) // 2] if gaps else SWEEP_PERIOD
     next_sweep = sweeps[-1] + period
     while next_sweep < time.time() + SIGNAL_AFTER_SUBMIT:
         next_sweep += period
