@@ -19,6 +19,7 @@ once); nothing here changes a value for GPUs except the data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -131,9 +132,7 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
     return Prepared(use_cpu=use_cpu, data=description, callbacks=callbacks, checksums=checksums, init=init)
 
 
-_heap_frozen = False
-
-
+@functools.cache  # once per process
 def _freeze_import_time_heap() -> None:
     """Once per process, before its first run: what is alive then (~680,000 objects after Megatron Bridge's
     imports: modules, classes, functions) moves to the collector's permanent generation (``gc.freeze``), so the
@@ -144,11 +143,8 @@ def _freeze_import_time_heap() -> None:
     anyway (imports)."""
     import gc
 
-    global _heap_frozen
-    if not _heap_frozen:
-        gc.collect()
-        gc.freeze()
-        _heap_frozen = True
+    gc.collect()
+    gc.freeze()
 
 
 def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> Stop | None:
