@@ -32,7 +32,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.runtime import is_rank_zero
+from bridge_ext.runtime import is_rank_zero, read_yaml
 
 __all__ = ["load_into_this_layout", "prepare"]
 
@@ -181,8 +181,6 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     resumes (``ckpt_step`` or the tracker). A change of the data-parallel size alone under EP > 1 is left to
     Megatron Bridge (the run config does not record the world size).
     """
-    import yaml
-
     from bridge_ext.checkpoints import iteration_dir, read_tracker
 
     ckpt = cfg.checkpoint
@@ -192,7 +190,7 @@ def prepare(cfg: Any, *, world_size: int) -> str | None:
     run_config = iteration_dir(ckpt.load, iteration) / "run_config.yaml" if iteration is not None else None
     if run_config is None or not Path(run_config).is_file():
         return None
-    saved_run = yaml.safe_load(Path(run_config).read_text()) or {}
+    saved_run = read_yaml(Path(run_config)) or {}
     _refuse_distributed_optimizer_state(cfg, saved_run, f"{ckpt.load} iteration {iteration}")
     if not ckpt.load_rng:
         return None

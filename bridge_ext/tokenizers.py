@@ -68,7 +68,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _CONVERTED_FORMAT = 1  # bump when the converted directory's layout changes
 
 
-@dataclass
+@dataclass(frozen=True)  # shared: load_tokenizer keeps one per process
 class TextTokenizer:
     """A loaded tokenizer: ``encode_batch`` (no BOS/EOS added), ``decode``, its size and end-of-document id."""
 
@@ -243,10 +243,24 @@ def _tiktoken_specials(directory: Path, ranks: dict[bytes, int]) -> tuple[dict[s
 
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer:
-    """The tokenizer in a model directory (Hugging Face or tiktoken files), offline, no remote code."""
+    """The tokenizer in a model directory (Hugging Face or tiktoken files), offline, no remote code.
+
+    Loaded once per process for the same files (a run's checks ask for it several times; a Hugging Face
+    tokenizer takes ~15 ms to load): kept by directory and the SHA-256 of its files, so changed files load anew.
+    """
     directory = Path(directory).expanduser().resolve()
     kind = _kind(directory)
     fingerprint = _fingerprint(directory, kind)
+    key = (directory, fingerprint)
+    if key not in _LOADED:
+        _LOADED[key] = _load(directory, kind, fingerprint)
+    return _LOADED[key]
+
+
+_LOADED: dict[tuple[Path, str], TextTokenizer] = {}
+
+
+def _load(directory: Path, kind: TokenizerKind, fingerprint: str) -> TextTokenizer:
     if kind == "huggingface":
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer

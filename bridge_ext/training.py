@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
 from bridge_ext.initialization import Init
-from bridge_ext.runtime import is_last_rank, is_rank_zero, world_size
+from bridge_ext.runtime import is_last_rank, is_rank_zero, read_yaml, world_size
 
 if TYPE_CHECKING:
     from recipes import Recipe
@@ -350,9 +350,7 @@ def _check_architecture(recipe: Any, cfg: Any, ckpt: Path) -> Path:
         raise UserError(f"checkpoint.pretrained_checkpoint: {str(exc).removeprefix('--ckpt ')}") from None
     run_config = iter_dir / "run_config.yaml"
     if run_config.is_file():
-        import yaml
-
-        model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
+        model = (read_yaml(run_config) or {}).get("model") or {}
         wrong = [f"{name} {model[name]} (recipe: {getattr(cfg.model, name)})" for name in _ARCH_FIELDS
                  if name in model and model[name] != getattr(cfg.model, name, model[name])]
         if wrong:

@@ -1,7 +1,7 @@
 """Runs several ``nemo`` commands (``llm pretrain``, ``llm export --tp/--pp/--ep``) one after another in each process
 of one launch, for tests/test_layout_matrix.py.
 
-    torchrun --nnodes 1 --nproc-per-node N tests/layout_matrix_driver.py PLAN.json
+    python tests/fork_launch.py --nproc-per-node N tests/layout_matrix_driver.py PLAN.json
 
 PLAN.json: ``{"phases": [[ARG, ...], ...]}``, each the arguments after ``nemo`` (``["llm", "pretrain", ...]``).
 One gloo group serves every phase (Megatron's globals are reset between them; a conversion uses the group it
@@ -48,13 +48,13 @@ def main(plan_path: str) -> int:
 
 
 def launch(plan: list[list[str]], cwd: Path, *, nproc: int, timeout: int = 1800) -> list[float]:
-    """Runs ``plan`` (each phase the arguments after ``nemo``) in one ``torchrun`` launch of ``nproc`` processes
+    """Runs ``plan`` (each phase the arguments after ``nemo``) in one launch of ``nproc`` processes
     from this interpreter's venv; asserts it succeeded; returns the seconds of each phase."""
-    from parallel_driver import torchrun  # the test process's side (tests/ is on its path)
+    from parallel_driver import launch_ranks  # the test process's side (tests/ is on its path)
 
     path = cwd / f"matrix-plan-{nproc}.json"
     path.write_text(json.dumps({"phases": plan}))
-    torchrun(os.path.abspath(__file__), path, cwd, nproc=nproc, timeout=timeout, tail=8000)
+    launch_ranks(os.path.abspath(__file__), [path], cwd, nproc=nproc, timeout=timeout, tail=8000)
     return json.loads(path.with_suffix(".times.json").read_text())
 
 

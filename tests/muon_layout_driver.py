@@ -1,6 +1,6 @@
 """One Muon step per case, from the same weights on the same batch, in whatever layout the case names.
 
-    torchrun --nproc-per-node N tests/muon_layout_driver.py PLAN.json
+    python tests/fork_launch.py --nproc-per-node N tests/muon_layout_driver.py PLAN.json   (or torchrun)
 
 PLAN.json: ``{"out": DIR, "cases": [{"name", "recipe", "layout", "overrides": [...], "values": {...}, "init": bool},
 ...]}`` (``overrides``: ``key=value`` strings; ``values``: dotted key -> value, as ``build_config`` takes them).

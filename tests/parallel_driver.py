@@ -1,6 +1,6 @@
 """Runs several ``nemo llm pretrain`` commands one after another in each process of one launch.
 
-    torchrun --standalone --nproc-per-node 2 tests/parallel_driver.py PLAN.json
+    python tests/fork_launch.py --nproc-per-node 2 tests/parallel_driver.py PLAN.json   (or torchrun)
 
 PLAN.json: ``{"phases": [[ARG, ...], ...]}``, each the arguments after ``nemo llm pretrain``. One process
 group serves every phase (Megatron's globals are reset between them), so a launch pays Python's and
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 
 def main(plan_path: str) -> int:
@@ -44,27 +45,33 @@ def main(plan_path: str) -> int:
     return 0
 
 
-def torchrun(script: str, plan_path: Path, cwd: Path, *, nproc: int, timeout: int,
-             tail: int = 6000) -> subprocess.CompletedProcess:
-    """One ``torchrun`` launch of ``nproc`` processes of ``script PLAN`` from this interpreter's venv on a free port;
-    asserts it succeeded (the output's tail as the message). Also tests/layout_matrix_driver.py's launcher."""
-    with socket.socket() as s:  # a free port for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), script, str(plan_path)]
-    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+def launch_ranks(script: str | Path, args: list, cwd: Path, *, nproc: int, timeout: int, tail: int = 6000,
+                 launcher: Literal["fork", "torchrun"] = "fork", env: dict | None = None) -> subprocess.CompletedProcess:
+    """``script *args`` on ``nproc`` ranks from this interpreter's venv; asserts the launch succeeded (the output's
+    tail as the message). ``fork``: tests/fork_launch.py (the libraries imported once, the ranks forked, torchrun's
+    environment); ``torchrun``: the real launcher on a free port, for tests of what runs under it. ``env`` adds to
+    the environment (OMP_NUM_THREADS=1: tiny models)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if launcher == "fork":
+        command = [sys.executable, str(Path(__file__).with_name("fork_launch.py")), "--nproc-per-node", str(nproc)]
+    else:
+        with socket.socket() as s:  # a free port for torchrun's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", str(nproc),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    done = subprocess.run([*command, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, (done.stdout + done.stderr)[-tail:]
     return done
 
 
 def launch(plan: list[list[str]], cwd: Path, *, nproc: int, timeout: int = 1500) -> str:
-    """Runs ``plan`` (phases of ``nemo llm pretrain`` arguments) in one ``torchrun`` launch of ``nproc`` processes
+    """Runs ``plan`` (phases of ``nemo llm pretrain`` arguments) in one launch of ``nproc`` processes
     from this interpreter's venv; asserts it succeeded and returns its stdout."""
     path = cwd / f"plan-{nproc}.json"
     path.write_text(json.dumps({"phases": plan}))
-    return torchrun(os.path.abspath(__file__), path, cwd, nproc=nproc, timeout=timeout).stdout
+    return launch_ranks(os.path.abspath(__file__), [path], cwd, nproc=nproc, timeout=timeout).stdout
 
 
 if __name__ == "__main__":

@@ -60,6 +60,27 @@ def test_tokenizer_round_trips_with_transformers_offline(monkeypatch):
     assert len(stdlib_text) / len(tok(stdlib_text).input_ids) > 3.0  # ~3.5 bytes per token on the corpus
 
 
+def test_a_tokenizer_loads_once_per_process_and_again_when_its_files_change(tmp_path):
+    """load_tokenizer keeps what it loaded by directory and file contents: the same files give the same object,
+    an edited tokenizer_config.json (another end-of-document token) a new one with the new id."""
+    import shutil
+
+    from bridge_ext.tokenizers import load_tokenizer
+
+    copy = tmp_path / "tok"
+    shutil.copytree(PROXY_TOKENIZER_DIR, copy)
+    first = load_tokenizer(copy)
+    assert load_tokenizer(copy) is first and first.eod == 0
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    decoder = config["added_tokens_decoder"]
+    other = next(int(i) for i, t in decoder.items() if t["content"] != EOD_TOKEN)
+    config["eos_token"] = decoder[str(other)]["content"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    changed = load_tokenizer(copy)
+    assert changed is not first and changed.eod == other != 0 and first.eod == 0
+    assert changed.fingerprint != first.fingerprint
+
+
 def test_tokenizer_loads_through_megatron_bridge():
     from bridge_ext import patches
 

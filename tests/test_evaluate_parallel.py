@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import evaluate_generate_runs as shared
-from tests.parallel_driver import torchrun
+from tests.parallel_driver import launch_ranks
 
 DRIVER = Path(__file__).resolve().with_name("evaluate_generate_rank_driver.py")
 TOLERANCE = 1e-5  # nats, on a loss of ~8.3: TP's float summation order
@@ -36,7 +36,7 @@ def test_tp2_under_torchrun_evaluate_equals_one_process_and_generate_equals_tran
         ["llm", "evaluate", "--ckpt", str(ckpt), "--json", "--tp", "2"],
         ["llm", "generate", "--ckpt", str(ckpt), "--prompts", str(prompts), "--json", "--max-new-tokens", "12",
          "--tp", "2"]]}))
-    done = torchrun(str(DRIVER), plan, tmp_path, nproc=2, timeout=600)
+    done = launch_ranks(DRIVER, [plan], tmp_path, nproc=2, timeout=600, launcher="torchrun")  # what it tests
     # rank 0's JSON lines (the driver's own group creation prints gloo's "[Gloo] Rank R is connected" lines)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1 + len(PROMPTS)

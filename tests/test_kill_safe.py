@@ -2,7 +2,9 @@
 killed at every stage of a save resumes with the losses of a straight run; SIGTERM saves and exits 0.
 
 The kill-point test runs each killed `nemo llm pretrain` as a real process through tests/kill_driver.py, which
-signals it at a chosen file write of a save; the straight run and the exports run in this process.
+signals it at a chosen file write of a save; each such process is forked in a new session from a server that
+imported torch and Megatron Bridge once (tests/fork_launch.py; the SIGTERM tests, where start-up is part of what
+is tested, start theirs from scratch); the straight run and the exports run in this process.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bridge_ext import checkpoints
 from bridge_ext.checkpoints import find_iteration, read_tracker, resume_point
 from bridge_ext.errors import UserError
 from bridge_ext.stack import common_state_inside_checkpoint, module_source
+from tests.fork_launch import ForkServer
 from tests.nemo_cli import start_nemo
 
 pytestmark = pytest.mark.stack  # torch's checkpoint writer and Megatron Bridge's save: .ci/run runs these on every stack
@@ -176,20 +179,28 @@ def test_a_changed_save_function_is_refused(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- kill-point test
-def run_killed(tmp: Path, argv: list[str], *, events: tuple[dict, ...] = ()) -> dict:
+KILL_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+
+
+def run_killed(tmp: Path, argv: list[str], *, events: tuple[dict, ...] = (), server: ForkServer | None = None) -> dict:
     """``nemo *argv`` as a real process (tests/kill_driver.py) that signals itself at ``events``: ``{"status":
     exit code or -signal, "fired": [...], "survivors": [...], "seconds": s, "log": text}``; ``survivors``:
-    processes of its session still alive 20 s after it ended (zombies are dead and do not count)."""
+    processes of its session still alive 20 s after it ended (zombies are dead and do not count). ``server``
+    (a :class:`ForkServer` started with ``KILL_ENV``): the process is forked from it, its imports done; else
+    started from scratch. Either way it is a new session whose helpers stay in it."""
     log = tmp / f"run-{time.monotonic_ns()}.log"
+    driver = [REPO / "tests" / "kill_driver.py", json.dumps(list(events))]
     start = time.monotonic()
-    with log.open("w") as out:
-        proc = start_nemo(argv, driver=[REPO / "tests" / "kill_driver.py", json.dumps(list(events))], cwd=tmp,
-                          env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}, stdout=out,
-                          stderr=subprocess.STDOUT, start_new_session=True)  # its helpers stay in its session
-        status = proc.wait(timeout=900)
+    if server is not None:
+        pid, status = server.run(driver[0], [*driver[1:], *argv], cwd=tmp, log=log)
+    else:
+        with log.open("w") as out:
+            proc = start_nemo(argv, driver=driver, cwd=tmp, env=KILL_ENV, stdout=out, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+            pid, status = proc.pid, proc.wait(timeout=900)
     seconds = time.monotonic() - start
     deadline = time.monotonic() + 20
-    while (survivors := session_processes(proc.pid)) and time.monotonic() < deadline:
+    while (survivors := session_processes(pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     text = log.read_text()
     fired = [json.loads(line.split("FIRED ", 1)[1]) for line in text.splitlines() if line.startswith("FIRED ")]
@@ -244,9 +255,16 @@ KILLS = (
 )
 
 
+@pytest.fixture
+def kill_server():
+    """The killed runs' fork server (tests/fork_launch.py): each run a forked process, its imports done once."""
+    with ForkServer(env=KILL_ENV) as server:
+        yield server
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path):
+def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path, kill_server):
     """qwen3_proxy_muon, 10 iterations, a save every 2, keeping 2: one straight run (in this process), then the
     same command run again and again as a real process, each killed at another moment (KILLS); each rerun
     resumes where training and export say it does, with the straight run's losses bit for bit; no helper
@@ -258,7 +276,7 @@ def test_killed_at_every_stage_of_a_save_resumes_exactly(nemo, tmp_path):
                 f"checkpoint.most_recent_k={KEEP}"]
 
     def pretrain(run: Path, *, events=()):
-        return run_killed(tmp_path, command(run), events=events)
+        return run_killed(tmp_path, command(run), events=events, server=kill_server)
 
     start = time.monotonic()
     straight = nemo(command(tmp_path / "straight"), cwd=tmp_path)

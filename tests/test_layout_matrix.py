@@ -25,7 +25,7 @@ cheap:
 - Every other ordered pair of the family's shipped layouts: a two-iteration resume of the cycle's checkpoint
   of the source layout in the target layout (Qwen3-MoE, Kimi K2 and Moonlight 30 pairs each, Qwen3 12, the
   cycle's included), and AdamW's distributed optimizer DP2 -> 1 (refused in one line; its checkpoint exports).
-- One ``torchrun`` launch per process count for all families (tests/layout_matrix_driver.py): 4 processes
+- One launch (tests/fork_launch.py) per process count for all families (tests/layout_matrix_driver.py): 4 processes
   (``cpu-tp2-ep2``), then 2 (every 2-process layout, the pairs into them, then the ``--tp/--pp/--ep`` exports),
   then this process, then one more 4-process launch for the pairs into ``cpu-tp2-ep2`` (their sources are
   saved by the 2-process launch). A run's own cost is ~2.5 s (2 processes) of start-up around 1-2 iterations.

@@ -36,7 +36,7 @@ import pytest
 import torch
 from ckpt_io import read_global_tensors
 from hand_muon import newton_schulz
-from parallel_driver import torchrun
+from parallel_driver import launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE, MOE, KIMI = "qwen3_proxy_muon", "qwen3_moe_proxy_muon", "kimi_k2_proxy_muon"
@@ -70,7 +70,7 @@ def _launch(out: Path, cases: list[tuple], nproc: int) -> str:
         seen.add(recipe)
     path = out / f"plan-{nproc}.json"
     path.write_text(json.dumps({"out": str(out), "cases": plan}))
-    return torchrun(str(ROOT / "tests" / "muon_layout_driver.py"), path, out, nproc=nproc, timeout=900).stdout
+    return launch_ranks(ROOT / "tests" / "muon_layout_driver.py", [path], out, nproc=nproc, timeout=900).stdout
 
 
 def _adam_stepped(key: str) -> bool:

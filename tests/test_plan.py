@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from parallel_driver import launch_ranks
 
 from bridge_ext.commands import main
 from bridge_ext.muon import muon_plan, newton_schulz_flops
@@ -90,12 +90,7 @@ DRIVER_CASES = ["kimi_k2_proxy_muon:cpu-tp2", "kimi_k2_proxy_muon:cpu-ep2", "kim
 def test_parameters_per_rank_equal_what_megatron_builds(tmp_path):
     """TP2, EP2 and PP2 (the Kimi K2 proxy's uneven `Ett|tL` included), 2 processes on gloo: every rank's
     parameter tensors (sizes, as a multiset) equal the plan's for that pipeline rank (local layer spec)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
-                          str(ROOT / "tests" / "plan_rank_driver.py"), str(tmp_path), *DRIVER_CASES],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    launch_ranks(ROOT / "tests" / "plan_rank_driver.py", [tmp_path, *DRIVER_CASES], ROOT, nproc=2, timeout=900)
     records = [r for rank in (0, 1) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(records) == 2 * len(DRIVER_CASES)
     for record in records:

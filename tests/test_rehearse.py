@@ -9,13 +9,11 @@ Newton-Schulz FLOPs one ``optimizer.step()`` runs on the rank (torch's FlopCount
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from parallel_driver import launch_ranks
 
 from bridge_ext.errors import UserError
 from bridge_ext.rehearse import rehearse, select_ranks
@@ -209,12 +207,7 @@ def test_proxies_rehearsal_equals_a_real_two_process_gloo_run(tmp_path, cpu_mode
     """One real iteration of ``nemo llm pretrain``'s path on 2 gloo processes (tests/rehearse_rank_driver.py,
     counting the live objects after the step) against the rehearsal of ranks 0 and 1 on fake tensors: every
     count equal, byte for byte (Adam's step counters included)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
-                          str(ROOT / "tests" / "rehearse_rank_driver.py"), str(tmp_path), *GLOO_CASES],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    launch_ranks(ROOT / "tests" / "rehearse_rank_driver.py", [tmp_path, *GLOO_CASES], ROOT, nproc=2, timeout=1800)
     real = {(r["recipe"], r["layout"], r["rank"]): r
             for rank in (0, 1) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())}
     assert len(real) == 2 * len(GLOO_CASES)

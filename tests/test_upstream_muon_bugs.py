@@ -14,17 +14,13 @@ installed code: ``bridge_ext/muon/checks.py``), or that the combination is refus
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_io import read_global_tensors
+from parallel_driver import launch
 
 from bridge_ext import commands
 from bridge_ext.muon import checks
@@ -199,12 +195,6 @@ def _overridden_groups() -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path) -> dict[str, Path]:
     """S: DP2, 3 iterations straight (saved at each). R: DP2 resumed from S's iteration 1 to 2 (PR 6920).
     P1: PP2 resumed from S's iteration 1 to 2, saved by PP2; P2: PP2 resumed from P1 to 3 (issue 2625).
@@ -222,14 +212,7 @@ def _launch(tmp: Path) -> dict[str, Path]:
             phase("P2", "cpu-pp2", 3, f"checkpoint.load={runs['P1']}")]
     if not checks.layer_wise_file_in_root():
         plan.append(phase("T", "cpu-dp2", 2, "checkpoint.ckpt_format=torch"))
-    (tmp / "plan.json").write_text(json.dumps({"phases": plan}))
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(ROOT / "tests" / "parallel_driver.py"), str(tmp / "plan.json")]
-    done = subprocess.run(command, cwd=tmp, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=1200)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    print(done.stdout)
+    print(launch(plan, tmp, nproc=2, timeout=1200))
     return runs
 
 

@@ -26,9 +26,9 @@ def _read_run_config(iter_dir: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
-        import yaml
+        from bridge_ext.runtime import read_yaml
 
-        return yaml.safe_load(file.read_text()) or {}
+        return read_yaml(file) or {}
     except Exception:  # a run config we cannot parse only loses us a hint
         return {}
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import read_yaml
 
 __all__ = ["HFModel", "KVSession", "MegatronModel", "check_fits", "checkpoint_tokenizer", "hf_model", "megatron_model",
            "open_checkpoint", "quiet_native_output", "read_run_config"]
@@ -34,7 +35,7 @@ def read_run_config(iter_dir: Path) -> dict[str, Any]:
     if not file.is_file():
         raise UserError(f"{iter_dir} has no run_config.yaml: not a Megatron Bridge checkpoint (or a copy cut short)")
     try:
-        config = yaml.safe_load(file.read_text()) or {}
+        config = read_yaml(file) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{file} is not readable YAML ({type(exc).__name__})") from None
     if not isinstance(config.get("model"), dict):
