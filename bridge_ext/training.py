@@ -324,12 +324,14 @@ def write_loss_curve(losses_path: Path, png: Path, *, title: str) -> None:
 
     losses = read_losses(losses_path)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    # fixed margins that fit the labels: tight_layout drew the figure once more only to measure them (a third
+    # of the plot's ~0.2 s, paid by every run)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.91)
     ax.plot(list(losses), list(losses.values()), linewidth=1.5)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
 
