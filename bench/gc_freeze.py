@@ -28,7 +28,7 @@ def _runs(recipe: str, iters: int, runs: int, frozen: bool) -> list[float]:
         gc.freeze = lambda: None  # the baseline: the collector keeps walking the import-time heap
 
     from bridge_ext import commands
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     seconds = []
     with tempfile.TemporaryDirectory() as tmp:

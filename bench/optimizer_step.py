@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if cpu:
-        from bridge_ext.cpu import enable_cpu_mode, init_single_process_distributed
+        from bridge_ext.cpu import enable_cpu_mode
+        from bridge_ext.process_state import init_single_process_distributed
 
         enable_cpu_mode()
         torch.set_num_threads(args.threads)

@@ -65,7 +65,7 @@ def _run(recipe_name: str, *, telemetry: bool, iters: int, device: str) -> tuple
 
     from bridge_ext import training
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
     from recipes import get_recipe
 
     recipe = get_recipe(recipe_name)

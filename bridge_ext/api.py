@@ -88,7 +88,6 @@ def prepare_for_this_machine(cfg: ConfigContainer, *, recipe: str | None = None,
     import torch
 
     from bridge_ext import patches
-    from bridge_ext.cpu import init_cpu_distributed
     from bridge_ext.errors import UserError
     from bridge_ext.training import prepare
 
@@ -99,6 +98,8 @@ def prepare_for_this_machine(cfg: ConfigContainer, *, recipe: str | None = None,
     prepared = prepare(chosen, cfg, device=device, data=data)
     patches.apply("checkpointing")
     if prepared.use_cpu and not torch.distributed.is_initialized():
+        from bridge_ext.cpu import init_cpu_distributed  # CPU mode only: a GPU run loads nothing of bridge_ext.cpu
+
         init_cpu_distributed()  # one process: an in-memory store; under torchrun its rendezvous, over gloo
     return prepared.callbacks
 

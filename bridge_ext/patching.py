@@ -38,8 +38,8 @@ Area = Literal["optimizer", "transformer", "tensor_parallel", "training", "check
 # Muon preset is installed, for LoRA, around checkpoint saves and loads, for conversion, in CPU mode, and
 # for the duration of a dry run's validation (``patches.temporarily("dryrun")``), before user YAML is read
 # into a config (``config``), for the duration of a rank rehearsal on fake tensors (``rehearse``).
-Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "cpu", "dryrun",
-                "config", "rehearse", "launch"]
+Scope = Literal["import", "stack", "muon", "lora", "lora-muon", "checkpointing", "conversion", "without-te", "cpu",
+                "dryrun", "config", "rehearse", "launch"]
 
 
 # Code a patch relies on: one exact text, or a tuple of alternatives (:func:`one_of`).

@@ -102,10 +102,10 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         from bridge_ext.stack import have_transformer_engine
 
         if not have_transformer_engine():  # a bare PyTorch image: the local spec on the GPU (bridge_ext.without_te)
-            from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
+            from bridge_ext.without_te import configure_without_te
 
             note = configure_without_te(cfg)
-            patches.apply("cpu", only=TE_FREE_PATCHES)  # MLA and MoE modules built without TE
+            patches.apply("without-te")  # MLA and MoE modules built without TE
             if not quiet and is_rank_zero():
                 print(note, file=sys.stderr, flush=True)
     from bridge_ext.muon.attention_logits import QKClipTracking, use_kernel_max_logit
@@ -403,7 +403,7 @@ def import_on_the_fly(hf: Path, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     summary = import_hf(hf, target, console=lambda line: print(line, file=sys.stderr))
     print(summary.line(), file=sys.stderr)
-    from bridge_ext.cpu.config import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     reset_megatron_globals()  # the import's Megatron globals (rerun state machine, ...) must not reach the run
     return target

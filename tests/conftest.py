@@ -93,7 +93,7 @@ def one_process_model_parallel(cpu_mode):
     import torch
     from megatron.core import parallel_state
 
-    from bridge_ext.cpu import init_single_process_distributed
+    from bridge_ext.process_state import init_single_process_distributed
 
     group_was_there = torch.distributed.is_initialized()
     init_single_process_distributed()

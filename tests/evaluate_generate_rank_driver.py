@@ -19,7 +19,8 @@ def main(plan_path: str) -> int:
     import torch
 
     from bridge_ext import commands
-    from bridge_ext.cpu import enable_cpu_mode, init_cpu_distributed, reset_megatron_globals
+    from bridge_ext.cpu import enable_cpu_mode, init_cpu_distributed
+    from bridge_ext.process_state import reset_megatron_globals
 
     torch.set_num_threads(1)
     enable_cpu_mode()

@@ -22,7 +22,8 @@ def main(plan_path: str) -> int:
     import torch
 
     from bridge_ext import commands
-    from bridge_ext.cpu import init_cpu_distributed, reset_megatron_globals
+    from bridge_ext.cpu import init_cpu_distributed
+    from bridge_ext.process_state import reset_megatron_globals
 
     torch.set_num_threads(1)  # tiny models: one thread per process is faster on a shared machine
     phases = json.loads(Path(plan_path).read_text())["phases"]

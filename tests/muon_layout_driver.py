@@ -56,7 +56,8 @@ def run_case(case: dict, out: Path) -> None:
 
     from bridge_ext import patches
     from bridge_ext.build import build_config
-    from bridge_ext.cpu.config import configure_for_cpu, reset_megatron_globals
+    from bridge_ext.cpu.config import configure_for_cpu
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.muon import clip_qk, track_attention_logits
     from bridge_ext.muon.presets import install_preset
     from recipes import get_recipe

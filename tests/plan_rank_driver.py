@@ -22,7 +22,8 @@ def main(out: Path, cases: list[str]) -> None:
     import torch.distributed as dist
 
     from bridge_ext.build import model_provider, quiet_megatron
-    from bridge_ext.cpu.config import configure_for_cpu, reset_megatron_globals
+    from bridge_ext.cpu.config import configure_for_cpu
+    from bridge_ext.process_state import reset_megatron_globals
     from megatron.core import parallel_state
     from recipes import get_recipe
 

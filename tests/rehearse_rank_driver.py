@@ -69,7 +69,8 @@ def main(out: Path, cases: list[str]) -> None:
     from megatron.bridge.training.callbacks import Callback
 
     from bridge_ext.build import build_config, quiet_megatron
-    from bridge_ext.cpu import init_cpu_distributed, reset_megatron_globals
+    from bridge_ext.cpu import init_cpu_distributed
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.training import prepare, run_pretrain
     from recipes import get_recipe
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bridge_ext.muon import attention_logits
+from bridge_ext.without_te import sdpa_attention
 from recipes import get_recipe
 from recipes.optimizers import PRESETS
 
@@ -42,14 +43,15 @@ def test_tiles_give_the_max_of_the_full_logits(s, chunk, causal):
     query[-1, 0, 0] *= 8
     key[0, 1, 1] *= 8
     query[s // 2, 1, 4] = key[s // 2, 1, 2] * 5
-    ours = attention_logits.max_logits(query, key, 0.2, causal=causal, chunk=chunk)
+    ours = sdpa_attention.max_logits(query, key, 0.2, causal=causal, chunk=chunk)
     torch.testing.assert_close(ours.double(), full_max_logits(query, key, 0.2, causal=causal), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- real models
 def _model(recipe_name: str, preset_name: str | None = None):
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
     from bridge_ext.muon import apply_preset
 
     reset_megatron_globals()
@@ -66,17 +68,17 @@ def _model(recipe_name: str, preset_name: str | None = None):
 
 
 class TensorSizes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the size of every tensor an op creates while code of ``module_file`` is on the stack."""
+    """Records the size of every tensor an op creates while the function ``code`` runs (on the stack)."""
 
-    def __init__(self, module_file: str):
+    def __init__(self, code):
         super().__init__()
-        self.module_file = module_file
+        self.code = code
         self.sizes: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename != self.module_file:
+        while frame is not None and frame.f_code is not self.code:
             frame = frame.f_back
         if frame is not None:
             flat = out if isinstance(out, (tuple, list)) else [out]
@@ -91,7 +93,7 @@ class TensorSizes(torch.utils._python_dispatch.TorchDispatchMode):
     ("kimi_k2_proxy_muon", None),         # kimi_k2 preset, QK-clip on: the SDPA attention computes it itself
 ])
 def test_a_long_sequence_forward_never_builds_s_by_s_logits(cpu_mode, recipe_name, preset_name):
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     cfg, model = _model(recipe_name, preset_name)
     try:
@@ -107,7 +109,7 @@ def test_a_long_sequence_forward_never_builds_s_by_s_logits(cpu_mode, recipe_nam
         grabs = [core.register_forward_pre_hook(capture, with_kwargs=True) for core in cores]
         tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
         tracker.start()  # a logged iteration
-        sizes = TensorSizes(attention_logits.__file__)
+        sizes = TensorSizes(sdpa_attention.max_logits.__code__)  # the measure, by our hook or the SDPA attention
         with torch.no_grad(), sizes:
             model[0](tokens, torch.arange(s).expand_as(tokens), None)
         tracker.stop()
@@ -137,7 +139,7 @@ def test_muon_run_logs_max_logit_per_layer_computing_only_when_it_must(cpu_mode,
     on the two logged iterations only, unless QK-clip (Kimi K2's preset) needs it on every forward."""
     from bridge_ext import training
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
     iters, interval = 6, 3
@@ -150,13 +152,13 @@ def test_muon_run_logs_max_logit_per_layer_computing_only_when_it_must(cpu_mode,
 
     computed = Counter()  # iteration -> forwards (of one layer) the max logit was computed on
     step = {"iteration": 0}
-    original = attention_logits.max_logits
+    original = sdpa_attention.max_logits
 
     def counting(*args, **kwargs):
         computed[step["iteration"]] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention_logits, "max_logits", counting)
+    monkeypatch.setattr(sdpa_attention, "max_logits", counting)
 
     class Iteration:
         def on_train_step_start(self, context):
@@ -241,7 +243,7 @@ def _train_kimi_proxy_with_lr_0(path: str, probe: ClipProbe, tmp_path) -> None:
     through ``nemo llm pretrain``'s path (telemetry on) or ``nemo llm compare``'s worker (telemetry off)."""
     from bridge_ext import compare, training
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.muon import install_ns_coefficients
 
     reset_megatron_globals()

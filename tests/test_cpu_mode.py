@@ -12,8 +12,10 @@ import torch
 
 from bridge_ext import cpu as cm
 from bridge_ext.hf import apply_config_stated_fields
+from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
 from bridge_ext.patches.import_time import MISSING_TE, guard_source, guarded_modules
 from bridge_ext.stack import UpstreamDrift, have_transformer_engine
+from bridge_ext.without_te.sdpa_attention import SDPACoreAttention
 
 pytestmark = pytest.mark.stack  # CPU-mode fixes, matched by content in each stack: .ci/run runs these on every stack
 
@@ -109,10 +111,10 @@ def single_process():
     """A gloo process group + Megatron parallel state for one test, torn down after it."""
     import torch.distributed as dist
 
-    cm.reset_megatron_globals()
-    cm.init_single_process_distributed()
+    reset_megatron_globals()
+    init_single_process_distributed()
     yield
-    cm.reset_megatron_globals()
+    reset_megatron_globals()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -173,7 +175,7 @@ def test_models_build_forward_and_backward(cpu_mode, single_process, family):
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
     if family == "deepseek_v3":
         attention = model.decoder.layers[0].self_attention
-        assert isinstance(attention.core_attention, cm.SDPACoreAttention)
+        assert isinstance(attention.core_attention, SDPACoreAttention)
         router = model.decoder.layers[1].mlp.router
         assert router.score_function == "sigmoid" and router.expert_bias is not None
         assert model.decoder.layers[1].mlp.shared_experts is not None
@@ -206,11 +208,11 @@ def test_reset_megatron_globals_clears_what_outlives_a_run(cpu_mode):
         def tracked():
             return moe_logging.get_moe_metrics_tracker().metrics
     assert tracked() != {}
-    cm.reset_megatron_globals()
+    reset_megatron_globals()
     assert moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale is None
     assert tracked() == {}
     init_num_microbatches_calculator(0, None, 8, 4, 1)  # would assert "already initialized" without the reset
-    cm.reset_megatron_globals()
+    reset_megatron_globals()
 
 
 def test_reset_megatron_globals_closes_the_process_groups_of_the_run_that_ended(cpu_mode, single_process):
@@ -227,7 +229,7 @@ def test_reset_megatron_globals_closes_the_process_groups_of_the_run_that_ended(
     def one_run() -> None:
         parallel_state.initialize_model_parallel(1, 1)
         parallel_state.get_tensor_model_parallel_group()  # a run's groups exist
-        cm.reset_megatron_globals()
+        reset_megatron_globals()
 
     one_run()
     before = resources()
@@ -269,13 +271,13 @@ def test_training_runs_in_one_process_free_their_models_and_compile_nothing(cpu_
         return sum(isinstance(o, (GPTModel, DistributedDataParallel)) for o in gc.get_objects())
 
     def run(number: int) -> None:
-        cm.reset_megatron_globals()
+        reset_megatron_globals()
         argv = ["llm", "pretrain", "--recipe", "kimi_k2_proxy_muon", "layout=cpu", "train.train_iters=2",
                 f"checkpoint.save={tmp_path / str(number)}", f"logger.tensorboard_dir={tmp_path / str(number)}/tb"]
         try:
             assert commands.main(argv) == 0
         finally:
-            cm.reset_megatron_globals()
+            reset_megatron_globals()
 
     gc.collect()
     models_before = alive()

@@ -52,7 +52,7 @@ def megatron_globals_reset():
     (``_finish_train``): clear what it left in this process (as tests/test_cpu_training.py does after
     ``exit_interval``), or the next in-process run fails ("num microbatches calculator is already initialized")."""
     yield
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     reset_megatron_globals()
 

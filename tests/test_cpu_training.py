@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+from bridge_ext.cpu import configure_for_cpu
+from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
 
 pytestmark = pytest.mark.stack  # training, checkpoint save and resume: .ci/run runs these on every stack
 

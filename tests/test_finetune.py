@@ -375,7 +375,7 @@ def test_compare_runs_finetune_recipes_on_the_held_out_split(proxy_ckpt, tmp_pat
     import csv
 
     from bridge_ext import compare
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     def in_this_process(spec_path, run_dir, env, log):
         """compare's worker (`python -m bridge_ext.compare --worker SPEC`) here: Megatron is imported already."""
@@ -443,7 +443,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches_megatron(proxy_ckpt
     from transformers import AutoModelForCausalLM
 
     from bridge_ext.convert import export_hf
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.build import resolve
     from bridge_ext.training import run_finetune
     from recipes.finetune import get_finetune_recipe

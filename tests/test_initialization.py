@@ -64,7 +64,7 @@ def _weights_at_init(recipe: str, *, seed: int = 1234) -> tuple[dict, dict]:
     from megatron.bridge.training.pretrain import pretrain
 
     from bridge_ext.api import prepare_for_this_machine, recipe_config
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     upstream, ours = {}, {}
 

@@ -235,7 +235,7 @@ def test_the_private_name_check_fails_on_a_planted_import(tmp_path):
 # What a module of bridge_ext/patches may import of ours besides its own package, the mechanism (bridge_ext.patching),
 # bridge_ext.stack and bridge_ext.errors (the ground floor): the packages whose behaviour its patches wire in
 # (docs/architecture.md).
-WIRED_IN = ("bridge_ext.muon", "bridge_ext.cpu", "bridge_ext.kill_safe", "bridge_ext.relayout")
+WIRED_IN = ("bridge_ext.muon", "bridge_ext.cpu", "bridge_ext.without_te", "bridge_ext.kill_safe", "bridge_ext.relayout")
 PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.patching", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
 # Module-level values that hold nothing mutable, whatever their name.
 _IMMUTABLE_CALLS = {"frozenset", "tuple", "str", "int", "float", "compile", "TypeVar", "Literal", "namedtuple"}

@@ -181,7 +181,7 @@ def pairs_off_the_cycle(family: str) -> list[tuple[str, str]]:
 def _nemo_here(argv: list[str]) -> None:
     """``nemo ARGV`` in this process (one process, CPU mode)."""
     from bridge_ext import commands
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     reset_megatron_globals()
     try:

@@ -264,7 +264,8 @@ def build_kimi_proxy(preset):
     import torch
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed
     from bridge_ext.muon import apply_preset
 
     init_single_process_distributed()
@@ -408,7 +409,8 @@ def mla_proxy(cpu_mode):
     import torch
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed
     from bridge_ext.muon import apply_preset, install_preset, resolve_schedule, track_attention_logits
 
     init_single_process_distributed()
@@ -601,7 +603,8 @@ def test_pretrain_with_kimi_k2_preset_logs_telemetry(cpu_mode, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
     from bridge_ext.hf import read_config_json
     from bridge_ext.muon import MuonTelemetry, apply_preset, install_preset, resolve_schedule
 
@@ -661,7 +664,8 @@ def test_qwen3_logs_max_logit_and_weight_qk_clip_is_a_no_op_under_qk_norm(cpu_mo
     import torch
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed
     from bridge_ext.muon import apply_preset, clip_qk, track_attention_logits
 
     init_single_process_distributed()

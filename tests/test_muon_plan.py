@@ -167,7 +167,8 @@ def _megatron_routes(recipe_name: str):
     from megatron.bridge.training.optim import setup_optimizer
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed
 
     init_single_process_distributed()
     cfg = build_config(get_recipe(recipe_name))

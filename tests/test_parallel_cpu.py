@@ -50,7 +50,7 @@ ADAM_TOL = 2e-4
 def _pretrain_here(*args: str) -> None:
     """`nemo llm pretrain ARGS` in this process (one process, CPU mode)."""
     from bridge_ext import commands
-    from bridge_ext.cpu import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
 
     reset_megatron_globals()
     save = next(a.split("=", 1)[1] for a in args if a.startswith("checkpoint.save="))

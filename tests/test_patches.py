@@ -482,7 +482,7 @@ def _module_imports(path: Path) -> set[str]:
 
 
 # The packages and modules whose behaviour patches wire in (their rows in bridge_ext/patches point at them).
-WIRED_IN = {"muon", "cpu", "checkpoints", "kill_safe", "relayout"}
+WIRED_IN = {"muon", "cpu", "without_te", "checkpoints", "kill_safe", "relayout"}
 
 
 def test_no_import_cycles_between_our_modules():
@@ -514,6 +514,7 @@ def test_a_patch_file_is_one_area():
     assert all(len(area) == 1 for area in areas.values()), areas
     assert areas["transformer"] == {"transformer"} and areas["checkpointing"] == {"checkpointing"}
     assert areas["conversion"] == {"conversion"} and areas["cpu"] == {"cpu"}
+    assert areas["without_te"] == {"without-te"}
 
 
 def test_a_moved_class_is_found_in_its_installed_home_or_named_as_drift():
@@ -540,31 +541,42 @@ def test_each_scope_loads_the_tables_that_hold_its_rows():
     assert misplaced == [], "add their tables to registry.TABLES"
 
 
-GPU_PATH = """
-import sys
-import bridge_ext.api, bridge_ext.build, bridge_ext.commands.pretrain, bridge_ext.convert, bridge_ext.training
-from bridge_ext import patches
-from bridge_ext.api import recipe_config
-cfg = recipe_config("qwen3_0p6b_muon")  # built and validated for its GPU layout
-for scope in ("import", "config", "stack", "muon", "checkpointing", "conversion"):
-    patches.apply(scope)
-print(" ".join(sorted(m for m in sys.modules if m.startswith("bridge_ext"))))
-"""
+HARNESS = ("bridge_ext.cpu", "bridge_ext.rehearse", "bridge_ext.patches.rehearse")
+# What each GPU-side entry reaches with the GPU decision forced on this CPU-only machine (tests/gpu_side_probe.py):
+# completed, or its first CUDA call (the device decision, its config and its patches all behind it).
+GPU_SIDE_ENTRIES = {
+    "import": "reached the GPU", "import --no-stream": "reached the GPU",
+    "pretrain --dryrun": "completed", "pretrain --to-yaml": "completed",
+    "finetune --dryrun": "completed", "finetune --to-yaml": "completed",
+    "api prepare_for_this_machine": "completed", "every scope a GPU run applies": "completed",
+    "export": "reached the GPU", "export --no-stream": "reached the GPU",
+    "evaluate": "reached the GPU", "generate": "reached the GPU",
+}
 
 
 @pytest.mark.slow
-def test_the_gpu_path_carries_no_cpu_harness_and_no_rehearsal():
-    """What a GPU run imports and applies (its commands, build and validation of a GPU recipe, the scopes a GPU run
-    applies) loads no module of bridge_ext/cpu or bridge_ext/rehearse and no rehearsal patch table (issue 39)."""
-    import subprocess
-    import sys
+def test_the_gpu_path_carries_no_cpu_harness_and_no_rehearsal(tmp_path):
+    """Every GPU-side entry (issue 49: ``pretrain``/``finetune`` ``--dryrun`` and ``--to-yaml`` with ``--device
+    gpu``, the Python API's preparation, ``import`` and ``export`` both ways, ``evaluate``, ``generate``, and every
+    scope a GPU run applies) loads no module of bridge_ext/cpu or bridge_ext/rehearse and no rehearsal patch table.
+    The GPU decision is forced by answering ``torch.cuda.is_available()`` (and the device's properties) as one H100
+    would (tests/gpu_side_probe.py); the control, the same machine's CPU import, loads CPU mode."""
+    import json
 
-    done = subprocess.run([sys.executable, "-c", GPU_PATH], capture_output=True, text=True, cwd=REPO, timeout=300)
+    import hf_fixtures
+
+    hf = hf_fixtures.qwen3_dir(tmp_path / "hf")
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_side_probe.py"), str(tmp_path), str(hf)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    loaded = done.stdout.split()
-    assert "bridge_ext.build" in loaded and "bridge_ext.patches.optimizer" in loaded  # the probe saw the GPU path
-    harness = [m for m in loaded if m.startswith(("bridge_ext.cpu", "bridge_ext.rehearse", "bridge_ext.patches.rehearse"))]
-    assert harness == [], harness
+    reports = {r["entry"]: r for r in map(json.loads, (tmp_path / "reports.jsonl").read_text().splitlines())}
+    control = reports.pop("import on this machine's CPU (the control)")
+    assert "bridge_ext.cpu.mode" in control["loaded"]  # the check sees CPU mode where it is taken
+    assert {name: r["outcome"] for name, r in reports.items()} == GPU_SIDE_ENTRIES, \
+        {name: r.get("error", "")[-1500:] for name, r in reports.items() if r["outcome"] != GPU_SIDE_ENTRIES.get(name)}
+    assert "bridge_ext.patches.optimizer" in reports["every scope a GPU run applies"]["loaded"]
+    harness = {name: [m for m in r["loaded"] if m.startswith(HARNESS)] for name, r in reports.items()}
+    assert harness == {name: [] for name in reports}, harness
 
 
 def test_source_rewrites_are_few_and_none_is_on_the_gpu_path():

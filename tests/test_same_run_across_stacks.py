@@ -308,7 +308,8 @@ def test_ns_coefficients_that_run(recipe_name, preset_name, coefficients, cpu_mo
     from megatron.bridge.training.optim import setup_optimizer
 
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed
     from bridge_ext.muon import apply_preset, install_ns_coefficients
     from bridge_ext.muon.split import install_gate_up_split
 

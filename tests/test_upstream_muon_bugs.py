@@ -55,7 +55,8 @@ FORCED = (400.0, -3.0, 250.0, 0.0)  # layer 2's per-head max logits: two above t
 def kimi_proxy(cpu_mode):
     """The kimi_k2 proxy (MLA, the kimi_k2 preset: QK-clip tau 100, alpha 0.5) built on CPU, one process."""
     from bridge_ext.build import build_config
-    from bridge_ext.cpu import configure_for_cpu, init_single_process_distributed, reset_megatron_globals
+    from bridge_ext.cpu import configure_for_cpu
+    from bridge_ext.process_state import init_single_process_distributed, reset_megatron_globals
 
     init_single_process_distributed()
     cfg = build_config(get_recipe("kimi_k2_proxy_muon"))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi_k2_proxy_muon", "qwen3_0p6b_adamw"])
 def test_local_spec_bf16_kept(name):
     from bridge_ext import patches
-    from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te, local_layer_spec
+    from bridge_ext.without_te import configure_without_te, local_layer_spec
 
     recipe = recipes.get_recipe(name)
     cfg = build_config(recipe, layout="h200x1")
@@ -32,10 +32,11 @@ def test_local_spec_bf16_kept(name):
     # the spec is megatron-core's own without TE: the function CPU mode trains with (tests/test_cpu_training.py)
     assert model.transformer_layer_spec is local_layer_spec
     assert "transformer_impl" in note and "gradient_accumulation_fusion" in note
-    # the patches training.prepare then applies exist in CPU mode's scope (apply(only=...) raises KeyError if not)
-    # and this stack's MLA needs the SDPA core attention
-    names = {p.name for p in patches.REGISTRY if p.scope == "cpu"}
-    assert set(TE_FREE_PATCHES) <= names and "mla-core-attention" in patches.applied_here(["cpu"])
+    # the patches training.prepare then applies (scope without-te, none of CPU mode's): this stack's MLA needs the
+    # SDPA core attention
+    names = {p.name for p in patches.REGISTRY if p.scope == "without-te"}
+    assert {"mla-have-te", "mla-core-attention", "moe-te-general-gemm"} == names
+    assert "mla-core-attention" in patches.applied_here(["without-te"])
 
 
 @pytest.mark.stack

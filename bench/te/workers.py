@@ -107,10 +107,10 @@ def _build(recipe_name: str, *, spec: str, device: str, values: dict[str, Any], 
             raise SystemExit("error: --spec te but transformer_engine is not importable (bench/te/te.py install)")
     elif device == "cuda":  # the local spec on a GPU that has TE: as a GPU without TE runs (bridge_ext.without_te)
         from bridge_ext import patches
-        from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
+        from bridge_ext.without_te import configure_without_te
 
         configure_without_te(cfg)
-        patches.apply("cpu", only=TE_FREE_PATCHES)
+        patches.apply("without-te")
     prepared = prepare(recipe, cfg, device="gpu" if device == "cuda" else "cpu", data="mock", quiet=True,
                        telemetry=telemetry)
     return recipe, cfg, prepared
@@ -183,7 +183,8 @@ class _AfterClip:
             return
         import torch
 
-        from bridge_ext.muon.attention_logits import attentions, max_logits
+        from bridge_ext.muon.attention_logits import attentions
+        from bridge_ext.without_te.sdpa_attention import max_logits
 
         self._grab.remove()
         model = context.model
@@ -431,7 +432,7 @@ def round_trip(recipe_name: str, *, device: str, specs: list[str], work: Path, s
         run, result = work / f"run_{label}", work / f"step_{label}.json"
         t = time.perf_counter()
         if in_process:
-            from bridge_ext.cpu import reset_megatron_globals
+            from bridge_ext.process_state import reset_megatron_globals
             from bridge_ext.muon import install_ns_coefficients
 
             reset_megatron_globals()

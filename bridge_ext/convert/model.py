@@ -37,16 +37,17 @@ def prepare_runtime() -> bool:
 def _configure_provider(provider: Any, *, cpu: bool, dtype: Any) -> None:
     """Settings for building the model to convert: official Megatron options, no patches.
 
-    On CPU, :func:`bridge_ext.cpu.configure_for_cpu` (local layer spec, fusions off, SequentialMLP
-    experts, allgather dispatcher); then the checkpoint's own dtype instead of CPU mode's fp32, so an
+    On CPU, :func:`bridge_ext.without_te.host_model.configure_host_model` (local layer spec, fusions off,
+    SequentialMLP experts, allgather dispatcher); then the checkpoint's own dtype instead of CPU mode's fp32, so an
     import holds the weights once at their stored size. No initialization: weights are loaded right after.
     """
     import torch
 
-    if cpu:
-        from bridge_ext.cpu import configure_for_cpu
+    if cpu:  # a model in host memory (CPU mode, or a streamed conversion's skeleton on any machine)
+        from bridge_ext.runtime import world_size
+        from bridge_ext.without_te.host_model import configure_host_model
 
-        configure_for_cpu(provider)
+        configure_host_model(provider, world_size=world_size())
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = dtype == torch.float16

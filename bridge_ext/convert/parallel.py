@@ -86,7 +86,7 @@ def process_group(cpu: bool) -> Iterator[None]:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
                 dist.init_process_group("nccl")
         elif cpu:
-            from bridge_ext.cpu import init_single_process_distributed
+            from bridge_ext.process_state import init_single_process_distributed
 
             init_single_process_distributed()
         else:
@@ -99,7 +99,7 @@ def process_group(cpu: bool) -> Iterator[None]:
     finally:
         if initialized_here:  # Megatron's globals the conversion made (parallel state, the rerun state machine
             # a model's forward creates) end with it: a training run in this process initializes its own
-            from bridge_ext.cpu.config import reset_megatron_globals
+            from bridge_ext.process_state import reset_megatron_globals
 
             reset_megatron_globals()
         if owned and dist.is_initialized():

@@ -1,4 +1,4 @@
-"""Switching CPU mode on: the ``import``, ``stack`` and ``cpu`` patches, once per process.
+"""Switching CPU mode on: the ``import``, ``stack``, ``without-te`` and ``cpu`` patches, once per process.
 
 CPU mode is only active once :func:`enable_cpu_mode` ran (the CLI calls it for ``--device cpu`` or when no GPU
 is visible), never on a normal GPU run.
@@ -28,5 +28,6 @@ def enable_cpu_mode() -> None:
         return
     patching.apply("import")
     patching.apply("stack")
+    patching.apply("without-te")  # megatron-core's MLA and MoE built without TE (bridge_ext.without_te)
     patching.apply("cpu")
     _active = True

@@ -6,61 +6,25 @@ logs it on the iterations it logs. Who measures it:
 
 * **The attention itself**, when ``model.qk_clip`` or ``model.log_max_attention_logit`` is on: Transformer
   Engine >= 2.9 returns it from the fused kernel (``transformer_engine.py:1413``, megatron-core 0.16), at no
-  extra cost, as a running max until ``clip_qk`` resets it; CPU mode's SDPA attention does the same with
-  :func:`max_logits`. :func:`use_kernel_max_logit` switches TE's on for GPU runs that log it.
+  extra cost, as a running max until ``clip_qk`` resets it; the SDPA attention without TE does the same with
+  :func:`bridge_ext.without_te.sdpa_attention.max_logits`. :func:`use_kernel_max_logit` switches TE's on for GPU runs that log it.
 * **Our hooks** (:class:`LogitTracker`), for attentions that do not (Megatron's local ``DotProductAttention``,
   e.g. Qwen3 on CPU, or any attention with both options off): every forward when ``qk_clip`` is on (the clip
   needs it), otherwise only on iterations telemetry logs.
 
-:func:`max_logits` works on query x key tiles of at most ``CHUNK`` x ``CHUNK``: its largest intermediate is
-``b * h * CHUNK * CHUNK`` fp32 values, never the ``b * h * s * s`` logits (Qwen3-30B-A3B's layout, MBS 8, 32
-heads, seq 4096: 268 MB per tile instead of 17 GB). Importing this module imports neither torch nor Megatron.
+Our hooks measure with the SDPA attention's :func:`~bridge_ext.without_te.sdpa_attention.max_logits` (bounded tiles,
+never the ``b * h * s * s`` logits). Importing this module imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from bridge_ext.without_te import sdpa_attention
 
-__all__ = ["CHUNK", "LogitTracker", "QKClipTracking", "attentions", "max_logits", "track_attention_logits",
-           "use_kernel_max_logit"]
-
-CHUNK = 512  # query and key positions per tile
-
-
-def max_logits(query: torch.Tensor, key: torch.Tensor, scale: float, *, causal: bool = True,
-               chunk: int = CHUNK) -> torch.Tensor:
-    """Per-head max of ``q . k * scale`` (fp32) for [s, b, h, d] query and [s, b, g, d] key (g divides h).
-
-    Causal masking is top-left (query i sees keys j <= i), as Megatron's causal mask and SDPA's
-    ``is_causal``. Tiles above the diagonal are skipped. Heads of a query group share their key tile
-    (grouped-query attention) without copying it per head.
-    """
-    import torch
-
-    s_q, b, h, d = query.shape
-    s_k, groups = key.shape[0], key.shape[2]
-    per_group = h // groups
-    best = torch.full((groups, per_group), -math.inf, dtype=torch.float32, device=query.device)
-    with torch.no_grad():
-        for q0 in range(0, s_q, chunk):
-            q1 = min(q0 + chunk, s_q)
-            # [c, b, h, d] -> [b, g, heads per group * c, d]: one matmul per (b, g) against that group's keys
-            q = query[q0:q1].detach().float().permute(1, 2, 0, 3).reshape(b, groups, per_group * (q1 - q0), d)
-            for k0 in range(0, min(q1, s_k) if causal else s_k, chunk):
-                k1 = min(k0 + chunk, s_k, q1) if causal else min(k0 + chunk, s_k)
-                k = key[k0:k1].detach().float().permute(1, 2, 3, 0)  # [b, g, d, c_k]
-                logits = torch.matmul(q, k).view(b, groups, per_group, q1 - q0, k1 - k0)
-                if causal and k1 - 1 > q0:  # the tile crosses the diagonal
-                    rows = torch.arange(q0, q1, device=query.device)[:, None]
-                    logits.masked_fill_(torch.arange(k0, k1, device=query.device) > rows, -math.inf)
-                best = torch.maximum(best, logits.amax(dim=(0, 3, 4)))
-    return best.flatten() * scale
-
+__all__ = ["LogitTracker", "QKClipTracking", "attentions", "track_attention_logits", "use_kernel_max_logit"]
 
 def _decoders(model: Any) -> Iterator[Any]:
     """The ``TransformerBlock`` of each model chunk, whatever wraps it (DDP, Float16Module or none)."""
@@ -123,7 +87,7 @@ class LogitTracker:
         # the call's mask type, else the module's; an enum (Megatron) or a string (TE), "causal" if unknown
         mask_type = (kwargs.get("attn_mask_type") or (args[4] if len(args) > 4 else None)
                      or getattr(module, "attn_mask_type", None) or "causal")
-        measured = max_logits(query, key, scale, causal="causal" in str(getattr(mask_type, "name", mask_type)))
+        measured = sdpa_attention.max_logits(query, key, scale, causal="causal" in str(getattr(mask_type, "name", mask_type)))
         if clip:
             previous = getattr(module, "current_max_attn_logits", None)
             module.current_max_attn_logits = measured if previous is None else torch.maximum(previous, measured)

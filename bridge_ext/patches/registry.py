@@ -25,7 +25,7 @@ from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
 
 __all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown",
-           "register_hooks", "rows", "switched_off", "table", "temporarily"]
+           "register_hooks", "rows", "rows_of", "switched_off", "table", "temporarily"]
 
 # One loader per table (function-level imports: the import graph sees them), in REGISTRY's order.
 def _import_time() -> tuple[Patch, ...]:
@@ -68,6 +68,11 @@ def _conversion() -> tuple[Patch, ...]:
     return conversion.PATCHES
 
 
+def _without_te() -> tuple[Patch, ...]:
+    from bridge_ext.without_te import patches as without_te
+    return without_te.PATCHES
+
+
 def _cpu() -> tuple[Patch, ...]:
     from bridge_ext.cpu import patches as cpu
     return cpu.PATCHES
@@ -84,7 +89,7 @@ def _launch() -> tuple[Patch, ...]:
 
 
 TABLES_IN_ORDER = (_import_time, _optimizer, _optimizer_fields, _transformer, _tensor_parallel, _training,
-                   _checkpointing, _conversion, _cpu, _rehearse, _launch)
+                   _checkpointing, _conversion, _without_te, _cpu, _rehearse, _launch)
 # Scope -> the tables holding its rows (tests/test_patches.py checks it against every row).
 TABLES: dict[str, tuple[Callable[[], tuple[Patch, ...]], ...]] = {
     "import": (_import_time,),
@@ -96,6 +101,7 @@ TABLES: dict[str, tuple[Callable[[], tuple[Patch, ...]], ...]] = {
     "dryrun": (_training,),
     "checkpointing": (_checkpointing,),
     "conversion": (_transformer, _conversion),
+    "without-te": (_without_te,),
     "cpu": (_cpu,),
     "rehearse": (_rehearse,),
     "launch": (_launch,),
@@ -115,14 +121,23 @@ def __getattr__(name: str) -> Any:
 
 def rows(scope: Scope | None = None) -> tuple[Patch, ...]:
     """The rows of ``scope`` (all: None), importing only the tables that hold them unless all are loaded."""
+    return rows_of(None if scope is None else (scope,))
+
+
+def rows_of(scopes: Iterable[Scope] | None) -> tuple[Patch, ...]:
+    """The rows of ``scopes`` (all: None) in REGISTRY's order, importing only the tables that hold them unless all
+    are loaded (a GPU run's dry run lists its fixes without importing CPU mode's or the rehearsal's tables)."""
     loaded = globals().get("REGISTRY")
+    wanted = None if scopes is None else set(scopes)
     if loaded is None:
-        loaded = _load(TABLES_IN_ORDER) if scope is None else _load(TABLES.get(scope, ()))
-    return tuple(p for p in loaded if scope is None or p.scope == scope)
+        tables = TABLES_IN_ORDER if wanted is None else {t for s in wanted for t in TABLES.get(s, ())}
+        loaded = _load(t for t in TABLES_IN_ORDER if t in tables)
+    return tuple(p for p in loaded if wanted is None or p.scope in wanted)
 
 # What a refusal names: the scope's part of the package.
 _WHAT: dict[str, str] = {"cpu": "CPU mode", "stack": "the stack fixes", "muon": "the Muon patches",
                          "checkpointing": "the checkpointing patches", "conversion": "the conversion patches",
+                         "without-te": "the patches that build MLA and MoE without TE",
                          "rehearse": "the rehearsal patches", "launch": "the launch patches"}
 
 _applied: dict[str, Patch] = {}
@@ -210,8 +225,7 @@ def _decide(patch: Patch) -> bool | str:
 
 def applied_here(scopes: Iterable[Scope] | None = None) -> tuple[str, ...]:
     """The names of the patches (of ``scopes``, default all) that the installed stack needs."""
-    wanted = set(scopes) if scopes is not None else None
-    return tuple(p.name for p in rows() if (wanted is None or p.scope in wanted) and _decide(p) is True)
+    return tuple(p.name for p in rows_of(scopes) if _decide(p) is True)
 
 
 def drift() -> list[str]:
@@ -246,7 +260,7 @@ def table() -> list[dict[str, str]]:
 
 
 _AREAS = ("import", "optimizer", "transformer", "tensor_parallel", "training", "checkpointing", "conversion", "launch",
-          "cpu", "rehearse")
+          "without-te", "cpu", "rehearse")
 
 
 def markdown() -> str:

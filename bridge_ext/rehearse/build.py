@@ -71,10 +71,10 @@ def rehearsal_config(recipe: Any, *, layout: str | None, device: str = "cpu") ->
 
         if not have_transformer_engine():  # as a GPU training run without TE (bridge_ext.without_te)
             from bridge_ext import patches
-            from bridge_ext.without_te import TE_FREE_PATCHES, configure_without_te
+            from bridge_ext.without_te import configure_without_te
 
             notes.append(configure_without_te(cfg))
-            patches.apply("cpu", only=TE_FREE_PATCHES)  # MLA and MoE modules built without TE
+            patches.apply("without-te")  # MLA and MoE modules built without TE
     cfg.comm_overlap = None
     cfg.dist.use_gloo_process_groups = False  # a fake world has no Gloo peers
     for name in ("overlap_grad_reduce", "overlap_param_gather"):

@@ -68,7 +68,7 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     Megatron's parallel state and process globals)."""
     import torch.distributed as dist
 
-    from bridge_ext.cpu.config import reset_megatron_globals
+    from bridge_ext.process_state import reset_megatron_globals
     from bridge_ext.errors import UserError
 
     if dist.is_initialized():

@@ -14,9 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_ext.cpu.patches.redirect import real_torch
-from bridge_ext.cpu.sdpa_attention import SDPACoreAttention
 from bridge_ext.patching import Patch, one_of
-from bridge_ext.stack import module_source
 
 __all__ = ["CLAIMS_GPU", "PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 
@@ -193,18 +191,6 @@ def _rng_state_set(new_state: Any, device: Any = -1, graph_safe: bool = False) -
     real_torch().set_rng_state(new_state)
 
 
-def _mla_build_module(build_module: Callable) -> Callable:
-    """``build_module`` for multi_latent_attention.py: its local core attention becomes SDPA-based."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    def build(spec: Any, *args: Any, **kwargs: Any) -> Any:
-        if spec is DotProductAttention or getattr(spec, "module", None) is DotProductAttention:
-            return SDPACoreAttention(*args, **kwargs)
-        return build_module(spec, *args, **kwargs)
-
-    return build
-
-
 def _clip_grad_by_total_norm_fp32(clip_grads: Any) -> Callable:
     """``clip_grads.clip_grad_by_total_norm_fp32`` with its fp32 check on the dtype, not the CUDA type."""
     torch = real_torch()
@@ -247,8 +233,6 @@ def _cpu(**fields: Any) -> Patch:
     return Patch(**{"area": "cpu", "scope": "cpu", "when": "CPU mode", **fields})
 
 
-_SETS_ITS_OWN_HAVE_TE = "    HAVE_TE = True"  # multi_latent_attention.py's own try/except (megatron-core 0.16)
-_GEMM_IMPORTED = "        te_general_gemm,\n"  # moe_utils.py imports it in its TE try, and 0.17+ in the except too
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -295,18 +279,6 @@ PATCHES: tuple[Patch, ...] = (
         make=_clip_grads_fp32,
     ),
     _cpu(
-        name="mla-have-te", when="CPU mode, where MLA sets HAVE_TE from its own TE import (megatron-core 0.16; 0.17 "
-                                 "imports extensions.transformer_engine's)",
-        upstream="megatron/core/transformer/multi_latent_attention.py HAVE_TE, isinstance(self.linear_proj, TELinear)",
-        module="megatron.core.transformer.multi_latent_attention",
-        attr="HAVE_TE",
-        snippets=("HAVE_TE", "isinstance(self.linear_proj, TELinear)"),
-        needed=lambda: _SETS_ITS_OWN_HAVE_TE in module_source("megatron.core.transformer.multi_latent_attention"),
-        why="without TE, extensions/transformer_engine.py:76 makes `te` a MagicMock, so the import succeeds, "
-        "HAVE_TE is True and TELinear is a MagicMock instance: isinstance() raises TypeError",
-        make=lambda old: False,
-    ),
-    _cpu(
         name="rng-set",
         upstream="megatron/core/tensor_parallel/random.py _set_cuda_rng_state",
         module="megatron.core.tensor_parallel.random",
@@ -314,26 +286,5 @@ PATCHES: tuple[Patch, ...] = (
         snippets=("_lazy_call(cb)",),
         why="torch.cuda._lazy_call queues the callback forever when CUDA never initializes",
         make=lambda old: _rng_state_set,
-    ),
-    _cpu(
-        name="moe-te-general-gemm", when="CPU mode, where only the TE import binds the name (megatron-core 0.16; "
-                                         "0.17 also imports a fallback)",
-        upstream="megatron/core/transformer/moe/moe_utils.py te_general_gemm (bound only when TE imports)",
-        module="megatron.core.transformer.moe.moe_utils",
-        attr="te_general_gemm",
-        snippets=("te_general_gemm is not None",),
-        needed=lambda: module_source("megatron.core.transformer.moe.moe_utils").count(_GEMM_IMPORTED) < 2,
-        why="without TE the name is never bound (only imported in a try block): NameError in every router",
-        make=lambda old: None,
-        must_exist=False,
-    ),
-    _cpu(
-        name="mla-core-attention",
-        upstream="megatron/core/transformer/multi_latent_attention.py MLASelfAttention: build_module(core_attention)",
-        module="megatron.core.transformer.multi_latent_attention",
-        attr="build_module",
-        snippets=("self.core_attention = build_module(", "k_channels=self.q_head_dim"),
-        why="local DotProductAttention takes no k_channels/v_channels; MLA gets an SDPA core attention",
-        make=_mla_build_module,
     ),
 )

@@ -5,7 +5,9 @@ kernels). Where TE is not installed (a bare PyTorch image, the GPU tier's lent m
 ``--device gpu`` would fail in the first TE module. Here the model keeps its precision (bf16), process group
 (NCCL), parallel sizes, optimizer and data; only what needs TE (or apex) changes, to megatron-core's local
 modules, as CPU mode does for its model part (``bridge_ext.cpu.config``). MLA's core attention, which the local
-spec cannot build (key and value head sizes differ), is the SDPA attention of ``bridge_ext.cpu.sdpa_attention``.
+spec cannot build (key and value head sizes differ), is the SDPA attention of :mod:`.sdpa_attention`; the patches
+that build MLA and MoE without TE (scope ``without-te``) are :mod:`.patches`, applied by CPU mode and by a GPU run
+without TE alike.
 Slower than the TE path (unfused attention for GQA, no fused kernels): what it measures is the local path's.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TE_FREE_PATCHES", "TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec", "te_checkpoint_keys"]
+__all__ = ["TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec", "te_checkpoint_keys"]
 
 # Provider settings that need Transformer Engine or apex kernels, and the value megatron-core's local modules run
 # with: the part that CPU mode (bridge_ext.cpu.config) and the CPU rehearsal (bridge_ext.rehearse.build) share with
@@ -33,10 +35,6 @@ TE_KERNEL_SETTINGS: dict[str, Any] = {
 
 # A GPU run without TE also turns off TE's fp8 recipes and TEGroupedMLP (the local spec then builds SequentialMLP).
 _GPU_WITHOUT_TE_SETTINGS: dict[str, Any] = {**TE_KERNEL_SETTINGS, "fp8": None, "moe_grouped_gemm": False}
-
-# The patches that make megatron-core's MLA and MoE modules build without TE: the same three CPU mode applies,
-# named here so a GPU run takes only these (none of CPU mode's device stand-ins).
-TE_FREE_PATCHES = ("mla-have-te", "mla-core-attention", "moe-te-general-gemm")
 
 
 def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
@@ -89,9 +87,8 @@ def te_checkpoint_keys(layer: Any) -> dict[str, str]:
 
 
 def configure_without_te(cfg: Any) -> str:
-    """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE; a console note. The caller applies
-    :data:`TE_FREE_PATCHES` (``patches.apply("cpu", only=TE_FREE_PATCHES)``: this module sits below the patch
-    registry, which imports CPU mode, which starts from :data:`TE_KERNEL_SETTINGS`)."""
+    """Rewrite ``cfg`` (a ``ConfigContainer``) for a GPU without TE; a console note. The caller applies the
+    ``without-te`` patches (``patches.apply("without-te")``: this package sits below the patch registry)."""
     model = cfg.model
     changed = [name for name, value in _GPU_WITHOUT_TE_SETTINGS.items()
                if hasattr(model, name) and getattr(model, name) != value]

@@ -2,8 +2,14 @@
 
 megatron-core's MLA (``transformer/multi_latent_attention.py``) builds its core attention with ``k_channels``
 and ``v_channels`` (key and value head sizes differ); Megatron's local ``DotProductAttention`` takes neither,
-so without TE (CPU mode; a GPU without TE, ``bridge_ext.without_te``) MLA gets this one (the ``mla-core-attention``
-patch, ``bridge_ext.cpu.patches``). Logits equal HF's within 4e-7.
+so without TE (CPU mode; a GPU without TE) MLA gets this one (the ``mla-core-attention`` patch,
+``bridge_ext.without_te.patches``). Logits equal HF's within 4e-7.
+
+It measures each head's maximum logit as TE's fused kernel returns it (QK-clip, telemetry) with :func:`max_logits`,
+on query x key tiles of at most ``CHUNK`` x ``CHUNK``: its largest intermediate is ``b * h * CHUNK * CHUNK`` fp32
+values, never the ``b * h * s * s`` logits (Qwen3-30B-A3B's layout, MBS 8, 32 heads, seq 4096: 268 MB per tile
+instead of 17 GB); ``bridge_ext.muon.attention_logits``' hooks measure the local attention with it. Importing this
+module imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
@@ -11,10 +17,44 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SDPACoreAttention"]
+if TYPE_CHECKING:
+    import torch
 
+__all__ = ["CHUNK", "SDPACoreAttention", "max_logits"]
+
+CHUNK = 512  # query and key positions per tile
+
+
+def max_logits(query: torch.Tensor, key: torch.Tensor, scale: float, *, causal: bool = True,
+               chunk: int = CHUNK) -> torch.Tensor:
+    """Per-head max of ``q . k * scale`` (fp32) for [s, b, h, d] query and [s, b, g, d] key (g divides h).
+
+    Causal masking is top-left (query i sees keys j <= i), as Megatron's causal mask and SDPA's
+    ``is_causal``. Tiles above the diagonal are skipped. Heads of a query group share their key tile
+    (grouped-query attention) without copying it per head.
+    """
+    import torch
+
+    s_q, b, h, d = query.shape
+    s_k, groups = key.shape[0], key.shape[2]
+    per_group = h // groups
+    best = torch.full((groups, per_group), -math.inf, dtype=torch.float32, device=query.device)
+    with torch.no_grad():
+        for q0 in range(0, s_q, chunk):
+            q1 = min(q0 + chunk, s_q)
+            # [c, b, h, d] -> [b, g, heads per group * c, d]: one matmul per (b, g) against that group's keys
+            q = query[q0:q1].detach().float().permute(1, 2, 0, 3).reshape(b, groups, per_group * (q1 - q0), d)
+            for k0 in range(0, min(q1, s_k) if causal else s_k, chunk):
+                k1 = min(k0 + chunk, s_k, q1) if causal else min(k0 + chunk, s_k)
+                k = key[k0:k1].detach().float().permute(1, 2, 3, 0)  # [b, g, d, c_k]
+                logits = torch.matmul(q, k).view(b, groups, per_group, q1 - q0, k1 - k0)
+                if causal and k1 - 1 > q0:  # the tile crosses the diagonal
+                    rows = torch.arange(q0, q1, device=query.device)[:, None]
+                    logits.masked_fill_(torch.arange(k0, k1, device=query.device) > rows, -math.inf)
+                best = torch.maximum(best, logits.amax(dim=(0, 3, 4)))
+    return best.flatten() * scale
 
 
 def _sdpa_core_attention_class():
@@ -75,8 +115,6 @@ def _sdpa_core_attention_class():
             if not causal and attention_mask is not None:
                 mask = ~attention_mask  # Megatron masks are True where attention is forbidden
             if self.config.qk_clip or self.config.log_max_attention_logit:
-                from bridge_ext.muon.attention_logits import max_logits
-
                 # as TE: a running max over the step's micro-batches, until clip_qk resets it; in tiles,
                 # never the [b, h, s, s] logits
                 measured = max_logits(query, key, self.softmax_scale, causal=causal)
