@@ -193,14 +193,24 @@ class ForkServer:
     def run(self, script: str | Path, args: list, *, cwd: str | Path, log: str | Path,
             env: dict[str, str] | None = None) -> tuple[int, int]:
         """Runs ``script *args`` as a forked process in a new session; returns its pid and exit status."""
+        pid = self.start(script, args, cwd=cwd, log=log, env=env)
+        return pid, self.wait(pid)
+
+    def start(self, script: str | Path, args: list, *, cwd: str | Path, log: str | Path,
+              env: dict[str, str] | None = None) -> int:
+        """Starts ``script *args`` as a forked process in a new session (its process group: the pid); returns the
+        pid. One run at a time: :meth:`wait` for it before the next."""
         request = {"script": str(script), "args": [str(a) for a in args], "cwd": str(cwd), "env": env or {},
                    "log": str(log)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self._reply())["pid"]
+        return json.loads(self._reply())["pid"]
+
+    def wait(self, pid: int) -> int:
+        """The exit status (an exit code, or -signal) of the run :meth:`start` started."""
         done = json.loads(self._reply())
         assert done["pid"] == pid, done
-        return pid, done["status"]
+        return done["status"]
 
     def _reply(self) -> str:
         line = self.proc.stdout.readline()

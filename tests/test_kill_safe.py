@@ -223,6 +223,15 @@ def session_processes(sid: int) -> list[str]:
     return alive
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (not exited, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def losses(path: Path, skip: int = 0) -> list[tuple[int, float]]:
     """(iteration, loss) records of losses.jsonl after its first ``skip`` lines."""
     lines = path.read_text().splitlines()[skip:] if path.exists() else []
@@ -255,9 +264,10 @@ KILLS = (
 )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def kill_server():
-    """The killed runs' fork server (tests/fork_launch.py): each run a forked process, its imports done once."""
+    """The real runs' fork server (tests/fork_launch.py): each run a forked process in its own session, the imports
+    done once for the module's killed and signalled runs."""
     with ForkServer(env=KILL_ENV) as server:
         yield server
 
@@ -359,13 +369,14 @@ def check_export(nemo, run: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["setting up", "training"])
-def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
+def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment, kill_server):
     """As Slurm signals a job step (its time limit, `scancel --signal=TERM`): SIGTERM to the command's whole
     process group, helpers included. "setting up": from the "CPU mode" line until the first loss is recorded,
     every 50 ms (whatever starts meanwhile gets it: the checkpoint writer's Manager, spawned, before its
     initializer ran, killed the run this way under Slurm): held until training starts, the run stops after
     iteration 1. "training": once iteration 2 is recorded (the Manager and its resource tracker are running).
-    Either way the run saves, exits 0, and no process of it outlives it."""
+    Either way the run saves, exits 0, and no process of it outlives it. The run is forked from the module's
+    server (its imports done; a new session, as ``start_new_session``), the test following its log."""
     import threading
 
     spraying = threading.Event()
@@ -373,40 +384,40 @@ def test_sigterm_to_every_process_stops_the_run_with_a_save(tmp_path, moment):
     def spray():
         while spraying.is_set():
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 return
             if losses(run / "losses.jsonl"):
                 return
             time.sleep(0.05)
 
-    run = tmp_path / "run"
-    proc = start_nemo(["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "train.train_iters=200",
-                       "logger.log_interval=1", f"checkpoint.save={run}", f"checkpoint.load={run}"], cwd=tmp_path,
-                      env={"PYTHONWARNINGS": "ignore"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                      start_new_session=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if moment == "setting up" and line.startswith("CPU mode:"):
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    argv = ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", "train.train_iters=200", "logger.log_interval=1",
+            f"checkpoint.save={run}", f"checkpoint.load={run}"]
+    pid = kill_server.start(REPO / "tests" / "kill_driver.py", ["[]", *argv], cwd=tmp_path, log=log)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and running(pid):  # until the moment comes (or the run ends)
+        text = log.read_text() if log.exists() else ""
+        if moment == "setting up" and any(line.startswith("CPU mode:") for line in text.splitlines()):
             spraying.set()
             threading.Thread(target=spray, daemon=True).start()
             break
         if moment == "training" and len(losses(run / "losses.jsonl")) >= 2:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
             break
-    lines += proc.stdout.readlines()
+        time.sleep(0.02)
+    status = kill_server.wait(pid)
     spraying.clear()
-    log = "".join(lines)
-    assert proc.wait(timeout=300) == 0, log[-3000:]
-    stopped = int(re.search(rf"stopped on SIGTERM at iteration (\d+), saved to {run}", log).group(1))
-    assert stopped == 1 if moment == "setting up" else 2 <= stopped < 200, log[-3000:]
+    text = log.read_text()
+    assert status == 0, text[-3000:]
+    stopped = int(re.search(rf"stopped on SIGTERM at iteration (\d+), saved to {run}", text).group(1))
+    assert stopped == 1 if moment == "setting up" else 2 <= stopped < 200, text[-3000:]
     assert [it for it, _ in losses(run / "losses.jsonl")] == list(range(1, stopped + 1))
     assert read_tracker(run)[0] == stopped
     deadline = time.monotonic() + 20
-    while session_processes(proc.pid) and time.monotonic() < deadline:
+    while session_processes(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert session_processes(proc.pid) == []
+    assert session_processes(pid) == []
 
 
 def test_an_exit_signal_after_training_ended_is_noted_not_fatal(capsys):
