@@ -48,14 +48,10 @@ def recipe_config(name: str, *, layout: str | None = None, preset: str | None = 
     count. Returns the config itself (not the finalized copy validation makes): ``pretrain()`` validates it again.
     """
     from bridge_ext.build import resolve
-    from recipes import split_part_selectors
+    from bridge_ext.overrides import choose_recipe
     from bridge_ext.runtime import launcher_world_size
 
-    parts, rest = split_part_selectors(list(overrides))
-    preset, layout = parts.get("preset", preset), parts.get("layout", layout)
-    recipe = get_any_recipe(name)
-    if preset:
-        recipe = recipe.with_preset(preset)
+    recipe, layout, rest = choose_recipe(name, get=get_any_recipe, preset=preset, layout=layout, overrides=overrides)
     chosen = recipe.layout(layout)
     # training=True: Megatron's warnings stay visible (each once); the dry run's silencing is process-wide and
     # would hide them from the pretrain() this config is for

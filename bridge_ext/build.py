@@ -97,7 +97,7 @@ def _apply_preset(cfg: ConfigContainer, recipe: Recipe) -> None:
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
 
     from bridge_ext.muon.presets import apply_preset
-    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from bridge_ext.upstream_api import installed_optimizer_fields
 
     preset = recipe.preset
     fields = installed_optimizer_fields(preset.name, preset.optimizer)  # the installed release's names

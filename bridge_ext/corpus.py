@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.errors import UserError
-from bridge_ext.runtime import write_atomic
+from bridge_ext.runtime import publish, write_atomic
 
 __all__ = ["DEFAULT_SPLIT", "Prepared", "blend_problems", "check_real_data", "input_files", "prepare_corpus",
            "split_documents"]
@@ -440,7 +440,7 @@ def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str
         }
         (tmp / "data.json").write_text(json.dumps(record, indent=1) + "\n")
         for suffix in (".bin", ".idx", ".json"):  # the record last: it marks a complete dataset
-            os.replace(tmp / f"data{suffix}", f"{prefix}{suffix}")
+            publish(tmp / f"data{suffix}", f"{prefix}{suffix}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

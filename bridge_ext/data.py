@@ -35,7 +35,7 @@ import recipes
 from bridge_ext.cache import ENV_CACHE as _ENV_CACHE
 from bridge_ext.cache import cache_root
 from bridge_ext.errors import UserError
-from bridge_ext.runtime import rename_into_place
+from bridge_ext.runtime import publish, rename_into_place
 
 __all__ = [
     "CORPUS_MAX_BYTES",
@@ -203,7 +203,7 @@ def ensure_text_corpus(*, force: bool = False, quiet: bool = False) -> tuple[str
             if not force and Path(f"{prefix}.json").is_file():  # a concurrent build finished first
                 return str(prefix), True
             old = parent / f".old-{key[:16]}-{os.getpid()}"  # --force, or a half-deleted entry
-            final.rename(old)
+            publish(final, old)
             shutil.rmtree(old, ignore_errors=True)
         rename_into_place(tmp, final, marker=f"{_PREFIX_NAME}.json")  # or another process's identical build
     finally:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_ext.errors import UserError
+from recipes.budget import tokens_per_step
 
 __all__ = ["ChoiceRecord", "Evaluated", "Scored", "encode_pair", "evaluate_checkpoint", "read_choices",
            "run_choices", "run_evaluate", "score_choices", "select_iterations", "write_csv", "write_plot"]
@@ -294,7 +295,7 @@ def _config(ckpt: Path, iter_dir: Path, number: int, *, data: str | None, tokens
     if opt.optimizer not in ("adam", "sgd"):  # never stepped: the run's Muon is not built for nothing
         opt.optimizer = "adam"
         opt.use_distributed_optimizer = False
-    batch = cfg.train.global_batch_size * cfg.model.seq_length
+    batch = tokens_per_step(cfg.train.global_batch_size, cfg.model.seq_length)
     section = _section(cfg)
     runs = getattr(section, "eval_iters", None) or getattr(cfg.train, "eval_iters", None) or 0
     if imported:
@@ -433,7 +434,7 @@ def evaluate_checkpoint(ckpt: Path, iter_dir: Path, number: int, *, data: str | 
         cfg, described, capture = _run(ckpt, iter_dir, number, data=data, tokens=tokens, split=split, tp=tp)
     if capture.loss is None:
         raise UserError(f"Megatron Bridge's evaluation of {iter_dir} returned no loss (no validation data?)")
-    batch = cfg.train.global_batch_size * cfg.model.seq_length
+    batch = tokens_per_step(cfg.train.global_batch_size, cfg.model.seq_length)
     return Evaluated(str(ckpt), number, number * batch, _section(cfg).eval_iters * batch, capture.loss,
                      math.exp(min(capture.loss, 700.0)), described)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge_ext.runtime import write_atomic
+from bridge_ext.runtime import publish, write_atomic
 
 __all__ = ["atomic_save_checkpoint", "commit_after_async_save", "deferred_cleanup", "exit_with_parent",
            "graceful_stop", "held_exit_signal", "keep_helpers_with_trainer", "prepare_resume", "record_integrity",
@@ -211,7 +211,7 @@ def _commit(save: _Save) -> None:
                 _fsync(os.path.join(directory, name))
         _fsync(directory)
     for tracker, staged in save.staged.items():  # latest_train_state.pt (read first), then the .txt
-        os.replace(staged, tracker)
+        publish(staged, tracker)
     _fsync(save.save_dir)
     if save.keep and save.keep > 0:
         _keep_most_recent(save)
@@ -257,9 +257,9 @@ def prepare_resume(cfg: Any, *, checksums: bool = True) -> str | None:
 
     def verified(iter_dir: Path, scope: str) -> None:
         from bridge_ext.checkpoints.integrity import verify
-        from bridge_ext.runtime import world_size
+        from bridge_ext.runtime import launcher_rank, world_size
 
-        result = verify(iter_dir, scope=scope, rank=int(os.environ.get("RANK", "0")), world_size=world_size(),
+        result = verify(iter_dir, scope=scope, rank=launcher_rank(), world_size=world_size(),
                         checksums=checksums)
         lines.append(result.line(iter_dir) + (" (this rank's share)" if world_size() > 1 and result.recorded
                                                and checksums else ""))

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.errors import UserError
+from bridge_ext.overrides import key_value
+from bridge_ext.runtime import write_atomic
 
 __all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "container",
            "gpus_per_node", "job_directory", "launch", "sbatch_options", "stop_seconds", "uses_gpus"]
@@ -104,10 +106,10 @@ def _local_gpus() -> int:
 def _pairs(items: list[str], what: str) -> dict[str, str]:
     out = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        pair = key_value(item)
+        if pair is None:
             raise UserError(f"{what} '{item}' is not KEY=VALUE")
-        out[key] = value
+        out[pair[0]] = pair[1]
     return out
 
 
@@ -335,12 +337,9 @@ def _say_submitted(job: Any, *, save_dir: str | None, requeue: bool) -> None:
 
 
 def _write_new(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
     if path.exists():
-        tmp.unlink()
         raise UserError(f"{path} exists; launch again (the name carries the time to the second)")
-    tmp.replace(path)
+    write_atomic(path, text)
 
 
 def _dryrun_text(job: Any, executor: str) -> str:

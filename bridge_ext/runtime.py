@@ -1,10 +1,13 @@
 """What a process of a run asks about itself, and how it writes a file another process may read.
 
-- Ranks: torchrun's environment (``RANK``, ``WORLD_SIZE``; https://pytorch.org/docs/stable/elastic/run.html),
-  readable before any process group exists; one process without torchrun is rank 0 of 1.
+- Ranks: torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``;
+  https://pytorch.org/docs/stable/elastic/run.html), readable before any process group exists; one process
+  without torchrun is rank 0 of 1. Read here only (tests/test_layering.py).
 - Atomic writes: the content goes to a temporary file beside the target, which is then renamed over it
   (``os.replace``: atomic within one filesystem on POSIX), so a reader, or a rerun after a kill, sees the old
-  file or the whole new one, never a part.
+  file or the whole new one, never a part; work built beside its place (a staged directory, a dataset's files,
+  a checkpoint's trackers) goes there the same way (:func:`publish`, :func:`rename_into_place`). The one home of
+  both (tests/test_layering.py).
 - YAML reads: :func:`read_yaml`, ``yaml.safe_load``'s result through libyaml where PyYAML has it (a run's
   ``run_config.yaml`` parses in ~10 ms instead of ~100 ms).
 - Mapped reads: a byte range of a file as a tensor, without a copy (:func:`map_range`: safetensors shards and
@@ -21,8 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_last_rank", "is_rank_zero", "launcher_world_size", "map_range", "read_yaml", "rename_into_place",
-           "world_size", "write_atomic"]
+__all__ = ["is_last_rank", "is_rank_zero", "launcher_local_rank", "launcher_rank", "launcher_set_ranks",
+           "launcher_world_size", "map_range", "publish", "read_yaml", "rename_into_place", "world_size",
+           "write_atomic"]
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -34,6 +38,21 @@ def is_rank_zero() -> bool:
 def is_last_rank() -> bool:
     """Whether torchrun's ``RANK`` is ``WORLD_SIZE - 1`` (unset: one process, which is also the last)."""
     return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher (torchrun, or Slurm through ``bridge_ext.slurm``) set it; 0 without one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launcher_local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``: its GPU); 0 without a launcher."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def launcher_set_ranks() -> bool:
+    """Whether a launcher already set this process's rank (torchrun's ``RANK``)."""
+    return "RANK" in os.environ
 
 
 def launcher_world_size() -> int | None:
@@ -85,12 +104,19 @@ def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = False) ->
         raise
 
 
+def publish(staged: str | Path, final: str | Path) -> None:
+    """Move a file or directory built beside ``final`` (same filesystem) into its place in one rename
+    (``os.replace``: atomic on POSIX; a file replaces ``final``, a directory needs ``final`` absent or empty). The
+    one way our code makes finished work visible: a reader sees the old or the whole new, never a part."""
+    os.replace(staged, final)
+
+
 def rename_into_place(staged: Path, final: Path, *, marker: str) -> None:
     """Rename the directory ``staged`` (built beside ``final``) to ``final``. Another process that built the same
     content and renamed it into place first (``final/marker`` exists) is not an error: ``staged`` stays for the
     caller to remove."""
     try:
-        staged.rename(final)
+        publish(staged, final)
     except OSError:
         if not (final / marker).is_file():
             raise

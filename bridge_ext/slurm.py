@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 
 from bridge_ext.errors import UserError
-from bridge_ext.runtime import is_rank_zero
+from bridge_ext.runtime import is_rank_zero, launcher_set_ranks
 
 __all__ = ["RANKS_FROM", "REQUEUE_FILE", "adopt_slurm_ranks", "note_stopped_run", "parse_time", "preflight",
            "scheduler_reason", "setup_lines"]
@@ -110,7 +110,7 @@ def adopt_slurm_ranks() -> None:
     """In a rank ``srun`` started (our launch sets ``BRIDGE_EXT_RANKS_FROM=slurm``): torchrun's ``RANK``,
     ``WORLD_SIZE`` and ``LOCAL_RANK`` from ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``, the names
     Megatron Bridge's ``utils/slurm_utils.py`` falls back to, so our code and upstream's see the same ranks."""
-    if os.environ.get(RANKS_FROM) != "slurm" or "RANK" in os.environ:
+    if os.environ.get(RANKS_FROM) != "slurm" or launcher_set_ranks():
         return
     for ours, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
         if slurm not in os.environ:

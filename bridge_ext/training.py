@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from bridge_ext.errors import UserError
 from bridge_ext.initialization import Init
-from bridge_ext.runtime import is_last_rank, is_rank_zero, read_yaml, world_size
+from bridge_ext.runtime import is_last_rank, is_rank_zero, launcher_world_size, read_yaml, world_size
 
 if TYPE_CHECKING:
     from recipes import Recipe
@@ -388,7 +387,7 @@ def import_target(hf: Path) -> Path:
 
     if not (hf / "config.json").is_file():
         raise UserError(f"--hf {hf} is not a Hugging Face model directory (no config.json)")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if (launcher_world_size() or 1) > 1:
         raise UserError("--hf imports in one process; under torchrun run `nemo llm import --hf DIR --out CKPT` "
                         "first and pass checkpoint.pretrained_checkpoint=CKPT")
     return cache_root() / "imports" / _import_key(hf)
@@ -466,7 +465,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
         muon_without_adam_part()
     # The merge reads one process's full model: with several processes (shards) it would write a partial one.
     merge_lora = recipe.mode == "lora" and prepared.use_cpu and cfg.checkpoint.save and \
-        int(os.environ.get("WORLD_SIZE", "1")) == 1
+        (launcher_world_size() or 1) == 1
     if merge_lora:
         from bridge_ext.finetune.lora import MERGED_DIR, merged_lora_saver
 

@@ -26,6 +26,15 @@ regular expression over source text. The decisions, and the upstream code each r
   ``data/builders/gpt_sft.py``; 0.3-0.5's ``FinetuningDatasetConfig`` has no ``validate``).
 * :func:`lora_merge` — attribute: ``LoRAMerge``'s home (``peft/lora.py`` 0.3-0.5, ``peft/lora_merge.py`` 0.6, by
   ``stack.first_defined``); signature: the keywords ``LoRAMerge.merge`` takes (``tp_size``, ``tp_group``).
+* :func:`installed_optimizer_fields` / :func:`canonical_optimizer_fields` — attribute: the installed
+  ``OptimizerConfig``'s dataclass fields. Presets (``recipes.optimizers``) name every setting as megatron-core
+  0.19's ``OptimizerConfig`` does (the canonical vocabulary); a renamed field takes the installed name
+  (:data:`RENAMED`: ``muon_nesterov`` is ``muon_use_nesterov`` in 0.16/0.17), a field the release lacks is dropped
+  where the preset asks for what that release always does (:data:`WHERE_ABSENT`) and is a one-line ``UserError``
+  otherwise; ``muon_coefficient_type`` (0.17+) is the only way the preset's set reaches the optimizer where it
+  exists, and ``bridge_ext.muon.presets.install_ns_coefficients`` supplies it at run time where it does not (0.16).
+  Read back in the canonical vocabulary, one reference describes the run on every stack
+  (tests/test_same_run_across_stacks.py).
 
 Tests: tests/test_upstream_api.py (the copies against upstream's own functions, field by field, where they exist).
 """
@@ -34,17 +43,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from functools import cache
 from typing import Any
 
+from bridge_ext.errors import UserError
 from bridge_ext.patching import apply
-from bridge_ext.stack import first_defined, signature_params
+from bridge_ext.stack import first_defined, package_of, signature_params
 
 __all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template",
            "lora_merge", "sft_root_for_validate"]
+__all__ += ["RENAMED", "RUN_TIME", "WHERE_ABSENT", "canonical_optimizer_fields", "config_has_coefficient_type",
+            "installed_optimizer_fields", "optimizer_config_fields"]
 
 # Where megatron-bridge 0.3.1 introduced the templates (0.3.0 lacks the module).
 RECIPES_COMMON = "megatron.bridge.recipes.common"
@@ -250,3 +264,85 @@ def lora_merge() -> tuple[Any, dict[str, Any]]:
     ``tp_group``, 0.6 ``tp_group`` only (None: TP 1)."""
     merge = first_defined("LoRAMerge", "megatron.bridge.peft.lora", "megatron.bridge.peft.lora_merge")()
     return merge, {k: v for k, v in (("tp_size", 1), ("tp_group", None)) if k in signature_params(merge.merge)}
+
+
+# --- optimizer presets in one vocabulary, megatron-core's OptimizerConfig in the installed one ----------------
+# canonical name -> the names older megatron-core releases give the same setting (newest first)
+RENAMED: Mapping[str, tuple[str, ...]] = {
+    "muon_nesterov": ("muon_use_nesterov",),  # megatron-core 0.16/0.17; renamed in 0.18 (no alias)
+}
+
+RUN_TIME = "run time"  # WHERE_ABSENT marker: bridge_ext.muon.presets supplies the value when the optimizer is built
+
+# Canonical fields older releases lack: (what that release always runs instead, where upstream fixes it).
+# A preset asking for that value loses nothing when the field is dropped; asking for another is refused.
+WHERE_ABSENT: Mapping[str, tuple[Any, str]] = {
+    # 0.16 optimizer/muon.py get_megatron_muon_optimizer: `config.optimizer = 'adam'` for every non-Muon param
+    "muon_scalar_optimizer": ("adam", "megatron-core optimizer/muon.py routes every non-Muon parameter to Adam"),
+    # 0.16/0.17: only the optimizer name makes Muon layer-wise (Megatron Bridge training/optim.py
+    # `layer_wise_distributed_optimizer="dist" in optimizer_config.optimizer`); 0.18+ keeps that for "dist_muon"
+    # (optimizer/__init__.py maps it to "muon" + layer-wise) and adds this field
+    "use_layer_wise_distributed_optimizer": (False, "only the name dist_muon makes Muon layer-wise"),
+    # 0.16 builds TensorParallelMuon without coefficient_type; bridge_ext.muon.presets.install_ns_coefficients
+    # makes the preset's set the one it gets
+    "muon_coefficient_type": (RUN_TIME, "bridge_ext.muon.presets.install_ns_coefficients sets it at run time"),
+}
+
+
+@cache
+def optimizer_config_fields() -> frozenset[str]:
+    """The fields of Megatron Bridge's ``OptimizerConfig`` (megatron-core's, with deferred validation)."""
+    from megatron.bridge.training.config import OptimizerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(OptimizerConfig))
+
+
+def config_has_coefficient_type() -> bool:
+    """Whether megatron-core takes the Newton-Schulz coefficient set from ``OptimizerConfig`` (0.17+)."""
+    return "muon_coefficient_type" in optimizer_config_fields()
+
+
+def _installed_name(canonical: str, available: frozenset[str]) -> str | None:
+    for name in (canonical, *RENAMED.get(canonical, ())):
+        if name in available:
+            return name
+    return None
+
+
+def installed_optimizer_fields(preset: str, fields: Mapping[str, Any], *,
+                               available: frozenset[str] | None = None) -> dict[str, Any]:
+    """``fields`` (canonical names) as the installed ``OptimizerConfig`` takes them; ``preset`` names it in errors.
+
+    ``available``: the installed field names (default: :func:`optimizer_config_fields`).
+    """
+    available = optimizer_config_fields() if available is None else available
+    out: dict[str, Any] = {}
+    for canonical, value in fields.items():
+        name = _installed_name(canonical, available)
+        if name is not None:
+            out[name] = value
+            continue
+        fixed, where = WHERE_ABSENT.get(canonical, (None, ""))
+        if fixed == RUN_TIME or (where and value == fixed):
+            continue  # the release runs this value anyway (WHERE_ABSENT says how)
+        always = f" (it always runs {fixed!r}: {where})" if where else ""
+        raise UserError(f"optimizer preset '{preset}' sets {canonical}={value!r}, which {package_of('megatron.core')} "
+                        f"does not have{always}; pick another preset or another stack")
+    return out
+
+
+def canonical_optimizer_fields(config: Any, names: Any, *, run_time: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The values of ``names`` (canonical) in an installed ``OptimizerConfig``; an absent field reads as what
+    its release runs instead (:data:`WHERE_ABSENT`), a run-time one as ``run_time[name]``."""
+    available = frozenset(f.name for f in dataclasses.fields(config))
+    out: dict[str, Any] = {}
+    for canonical in names:
+        name = _installed_name(canonical, available)
+        if name is not None:
+            out[canonical] = getattr(config, name)
+        elif canonical in WHERE_ABSENT:
+            fixed = WHERE_ABSENT[canonical][0]
+            out[canonical] = (run_time or {}).get(canonical) if fixed == RUN_TIME else fixed
+        else:
+            raise KeyError(f"{canonical}: not in {package_of(type(config).__module__)}'s OptimizerConfig")
+    return out

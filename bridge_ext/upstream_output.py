@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from bridge_ext.runtime import launcher_rank, launcher_world_size
+
 __all__ = ["CHILD_WARNINGS", "NOISE", "PROGRESS", "Noise", "RunConsole", "destination", "log_file",
            "megatron_warnings_once", "quiet_megatron", "run_console"]
 
@@ -167,8 +169,8 @@ def destination(line: str, *, gpu: bool, warning: bool = False) -> Literal["cons
 
 def log_file(run_dir: str | Path) -> Path:
     """Where a run's upstream output goes: ``upstream.log`` in ``run_dir`` (one per rank under torchrun)."""
-    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    return Path(run_dir) / ("upstream.log" if world in ("", "1") else f"upstream.rank{rank}.log")
+    world = launcher_world_size() or 1
+    return Path(run_dir) / ("upstream.log" if world == 1 else f"upstream.rank{launcher_rank()}.log")
 
 
 _OURS = tuple(str(Path(__file__).resolve().parents[1] / package) + os.sep for package in ("bridge_ext", "recipes"))
@@ -245,7 +247,7 @@ class RunConsole:
             self._log.write(f"==== {' '.join(sys.argv)} (pid {os.getpid()})\n")
             self._log.writelines(self._held)
             self._held.clear()
-            if os.environ.get("RANK", "0") == "0":
+            if launcher_rank() == 0:
                 self.console_err.write(f"{announce}: {self.path}; --verbose shows it here\n")
                 self.console_err.flush()
 

@@ -18,22 +18,10 @@ from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
 from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin
 
-__all__ = ["PART_SELECTORS", "RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset", "RunLength",
-           "split_part_selectors"]
+__all__ = ["PART_SELECTORS", "RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset", "RunLength"]
 
-PART_SELECTORS = ("preset", "layout")  # `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout
-
-
-def split_part_selectors(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``({part: NAME}, the other overrides)``: the :data:`PART_SELECTORS` among ``key=value`` overrides."""
-    parts, remaining = {}, []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in PART_SELECTORS:
-            parts[key] = value
-        else:
-            remaining.append(item)
-    return parts, remaining
+# `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout (bridge_ext.overrides.split_part_selectors)
+PART_SELECTORS = ("preset", "layout")
 
 
 @dataclass(frozen=True, kw_only=True)

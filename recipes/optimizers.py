@@ -3,7 +3,7 @@
 megatron-core's Muon defaults differ between its ``OptimizerConfig`` (Nesterov off), its CLI and its
 classes, and Megatron Bridge's helper differs again, so a preset never leaves a ``muon_*`` field to a
 default. Field names are megatron-core 0.19's (one vocabulary for every stack);
-``bridge_ext.patches.optimizer_fields`` gives them the installed release's names. Values are plain data
+``bridge_ext.upstream_api`` gives them the installed release's names. Values are plain data
 (no torch import): ``nemo llm info`` prints them, ``bridge_ext.build`` applies them to Megatron Bridge's
 ``OptimizerConfig`` / ``SchedulerConfig`` / DDP config.
 
@@ -17,7 +17,16 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-__all__ = ["OptimizerPreset", "PRESETS", "derive"]
+__all__ = ["MUON_OPTIMIZERS", "OptimizerPreset", "PRESETS", "derive", "is_muon"]
+
+# Megatron's optimizer names (``optimizer.optimizer``) that run Muon: "muon", and "dist_muon" (layer-wise distributed;
+# megatron-core 0.18+ maps it to "muon" plus the layer-wise field).
+MUON_OPTIMIZERS = frozenset({"muon", "dist_muon"})
+
+
+def is_muon(optimizer: str | None) -> bool:
+    """Whether Megatron's optimizer name ``optimizer`` runs Muon (:data:`MUON_OPTIMIZERS`)."""
+    return optimizer in MUON_OPTIMIZERS
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

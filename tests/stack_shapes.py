@@ -9,7 +9,7 @@ import importlib
 import yaml
 
 from bridge_ext.generate import generating_stack
-from bridge_ext.patches.optimizer_fields import RENAMED, RUN_TIME, WHERE_ABSENT
+from bridge_ext.upstream_api import RENAMED, RUN_TIME, WHERE_ABSENT
 
 # Where Megatron Bridge releases differ in the *shape* of the same config (docs/stacks.md), each with why.
 _EQUIVALENT_CLASSES = [  # the same config under another class name
@@ -84,7 +84,7 @@ def stack_differences(shipped: dict, built: dict, *, release_shapes: bool = True
     """Field differences between two resolved configs (not counting the release shapes listed above, unless
     ``release_shapes`` is False)."""
     a, b = _flatten(shipped), _flatten(built)
-    if release_shapes:  # renamed fields under their new names (optimizer: bridge_ext.patches.optimizer_fields)
+    if release_shapes:  # renamed fields under their new names (optimizer: bridge_ext.upstream_api)
         a, b = _moved_home(_canonical_names(a)), _moved_home(_canonical_names(b))
     problems = []
     for key in sorted(set(a) | set(b)):

@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from bridge_ext.build import benchmark_only_fields, build_config, validate_for_layout
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
-from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+from bridge_ext.upstream_api import installed_optimizer_fields
 from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
 from tests.stack_shapes import config_differences, stack_differences
 

@@ -59,7 +59,7 @@ def tiny_config(family: str, optimizer: str, iters: int, *, save: Path | None = 
     model.seq_length = SEQ
     common = dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0, bf16=False)
     if optimizer == "muon":
-        from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+        from bridge_ext.upstream_api import installed_optimizer_fields
 
         muon = installed_optimizer_fields("tiny", dict(  # megatron-core 0.19's names -> the installed release's
             muon_momentum=0.95, muon_nesterov=True, muon_scale_mode="spectral", muon_fp32_matmul_prec="medium",

@@ -230,6 +230,189 @@ def test_the_private_name_check_fails_on_a_planted_import(tmp_path):
     assert private_imports(tmp_path) == ["bridge_ext/convert/cli.py:1 imports _world_size from bridge_ext.convert.parallel"]
 
 
+# --- one home per fact: the launcher's ranks ------------------------------------------------------------------
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _is_os_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" and getattr(node.value, "id", None) == "os"
+
+
+def rank_variable_reads(root: Path) -> list[str]:
+    """Reads of torchrun's rank variables (``os.environ.get(NAME)``, ``os.environ[NAME]``, ``NAME in os.environ``,
+    ``os.getenv(NAME)``) outside ``bridge_ext/runtime.py``, their one home (``launcher_rank``,
+    ``launcher_world_size``, ...). Writes (a launcher setting them) are not reads."""
+    found = []
+    for path in sorted((root / "bridge_ext").rglob("*.py")):
+        if path == root / "bridge_ext" / "runtime.py":
+            continue
+        for node in sorted(ast.walk(ast.parse(path.read_text())), key=lambda n: getattr(n, "lineno", 0)):
+            name = None
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func
+                if isinstance(func, ast.Attribute) and (
+                        (func.attr == "get" and _is_os_environ(func.value))
+                        or (func.attr == "getenv" and getattr(func.value, "id", None) == "os")):
+                    name = node.args[0].value
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_os_environ(node.value):
+                name = getattr(node.slice, "value", None)
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and any(
+                    _is_os_environ(c) for c in node.comparators):
+                name = node.left.value
+            if name in LAUNCHER_VARIABLES:
+                found.append(f"{_where(root, path, node)} reads {name}")
+    return found
+
+
+def test_the_launchers_ranks_are_read_in_runtime_only():
+    """torchrun's RANK, LOCAL_RANK and WORLD_SIZE are read in bridge_ext/runtime.py only (issue 49: WORLD_SIZE
+    was read 7 times in 4 other files)."""
+    found = rank_variable_reads(REPO)
+    assert not found, "\n".join(found) + "\nuse bridge_ext.runtime's launcher_rank / launcher_world_size / ..."
+
+
+def test_the_rank_read_check_sees_each_way_to_read(tmp_path):
+    package = tmp_path / "bridge_ext"
+    package.mkdir()
+    (package / "runtime.py").write_text("import os\nRANK = os.environ.get('RANK')\n")  # the home: allowed
+    (package / "bad.py").write_text(
+        "import os\n"
+        "a = int(os.environ.get('WORLD_SIZE', '1'))\n"
+        "b = os.environ['LOCAL_RANK']\n"
+        "c = 'RANK' in os.environ\n"
+        "d = os.getenv('RANK')\n"
+        "os.environ['RANK'] = '0'\n"  # a write
+        "e = os.environ.get('HOME')\n")
+    assert rank_variable_reads(tmp_path) == ["bridge_ext/bad.py:2 reads WORLD_SIZE",
+                                             "bridge_ext/bad.py:3 reads LOCAL_RANK",
+                                             "bridge_ext/bad.py:4 reads RANK", "bridge_ext/bad.py:5 reads RANK"]
+
+
+def muon_name_tests(root: Path) -> list[str]:
+    """Comparisons against a literal collection of Megatron's Muon optimizer names (``x in ("muon", "dist_muon")``)
+    outside ``recipes.optimizers.is_muon``, their one home."""
+    found = []
+    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
+        if path == root / "recipes" / "optimizers.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, (ast.Tuple, ast.Set, ast.List))
+                    and {"muon", "dist_muon"} <= {getattr(e, "value", None) for e in c.elts} for c in node.comparators):
+                found.append(f"{_where(root, path, node)} tests the Muon names itself")
+    return sorted(found)
+
+
+def test_is_this_muon_is_asked_of_one_function():
+    """Which Megatron optimizer names run Muon is recipes.optimizers.is_muon's (issue 49: 11 literal tests in 7
+    files); the next Muon variant is added there once."""
+    found = muon_name_tests(REPO)
+    assert not found, "\n".join(found) + "\nuse recipes.optimizers.is_muon"
+
+
+def test_the_muon_name_check_sees_a_literal_test(tmp_path):
+    (tmp_path / "bridge_ext").mkdir()
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "bridge_ext" / "bad.py").write_text("def f(o):\n    return o in ('dist_muon', 'muon') or o in {'sgd'}\n")
+    (tmp_path / "recipes" / "optimizers.py").write_text("def is_muon(o):\n    return o in ('muon', 'dist_muon')\n")
+    assert muon_name_tests(tmp_path) == ["bridge_ext/bad.py:2 tests the Muon names itself"]
+
+
+def key_value_splits(root: Path) -> list[str]:
+    """``.partition("=")`` / ``.split("=", ...)`` outside ``bridge_ext/overrides.py``, the key=value grammar's home
+    (``key_value``)."""
+    found = []
+    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
+        if path == root / "bridge_ext" / "overrides.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("partition", "split", "rpartition") and node.args
+                    and getattr(node.args[0], "value", None) == "="):
+                found.append(f"{_where(root, path, node)} splits key=value itself")
+    return sorted(found)
+
+
+def test_key_value_is_parsed_in_one_place():
+    """The key=value grammar lives in bridge_ext.overrides (issue 49: 10 hand-written partition("=") in 8 files)."""
+    found = key_value_splits(REPO)
+    assert not found, "\n".join(found) + "\nuse bridge_ext.overrides.key_value"
+
+
+def test_the_key_value_check_sees_a_split(tmp_path):
+    (tmp_path / "bridge_ext").mkdir()
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "bridge_ext" / "overrides.py").write_text("def key_value(i):\n    return i.partition('=')\n")
+    (tmp_path / "recipes" / "bad.py").write_text("a = 'k=v'.split('=', 1)\nb = 'a,b'.split(',')\n")
+    assert key_value_splits(tmp_path) == ["recipes/bad.py:1 splits key=value itself"]
+
+
+def renames_outside_runtime(root: Path) -> list[str]:
+    """``os.replace`` / ``os.rename`` / ``.rename(...)`` outside ``bridge_ext/runtime.py``, the home of atomic writes
+    (``write_atomic``) and of moving finished work into place (``publish``, ``rename_into_place``)."""
+    found = []
+    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
+        if path == root / "bridge_ext" / "runtime.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            on_os = getattr(node.func.value, "id", None) == "os"
+            if (on_os and node.func.attr in ("replace", "rename")) or (node.func.attr == "rename" and not on_os):
+                found.append(f"{_where(root, path, node)} renames itself")
+    return sorted(found)
+
+
+def test_atomic_writes_and_publishes_have_one_home():
+    """Atomic writes and renames into place live in bridge_ext.runtime (issue 49: five ad-hoc copies in launch.py,
+    convert/stream/torch_dist.py, corpus.py, data.py, convert/staging.py)."""
+    found = renames_outside_runtime(REPO)
+    assert not found, "\n".join(found) + "\nuse bridge_ext.runtime's write_atomic / publish"
+
+
+def test_the_rename_check_sees_each_way(tmp_path):
+    (tmp_path / "bridge_ext").mkdir()
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "bridge_ext" / "runtime.py").write_text("import os\nos.replace('a', 'b')\n")
+    (tmp_path / "bridge_ext" / "bad.py").write_text(
+        "import os\nfrom pathlib import Path\nos.replace('a', 'b')\nos.rename('a', 'b')\nPath('a').rename('b')\n"
+        "'text'.replace('t', 'T')\n")
+    assert renames_outside_runtime(tmp_path) == [f"bridge_ext/bad.py:{line} renames itself" for line in (3, 4, 5)]
+
+
+# Outside bridge_ext/commands, the maintainers' `python -m` entries (docs/architecture.md).
+ARGPARSE_ALSO_IN = ("bridge_ext/data.py", "bridge_ext/generate.py", "bridge_ext/patches/__main__.py")
+
+
+def argparse_users(root: Path) -> list[str]:
+    """Modules outside ``bridge_ext/commands`` (and :data:`ARGPARSE_ALSO_IN`) that import argparse."""
+    found = []
+    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
+        where = str(path.relative_to(root))
+        if where.startswith("bridge_ext/commands/") or where in ARGPARSE_ALSO_IN:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "argparse" in names:
+                found.append(f"{_where(root, path, node)} imports argparse")
+    return sorted(found)
+
+
+def test_only_commands_know_argparse():
+    found = argparse_users(REPO)
+    assert not found, "\n".join(found) + "\nparse in bridge_ext/commands; domain modules take keyword arguments"
+
+
+def test_the_argparse_check_sees_an_import(tmp_path):
+    (tmp_path / "bridge_ext" / "commands").mkdir(parents=True)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "bridge_ext" / "commands" / "x.py").write_text("import argparse\n")
+    (tmp_path / "bridge_ext" / "bad.py").write_text("import os\nfrom argparse import Namespace\n")
+    assert argparse_users(tmp_path) == ["bridge_ext/bad.py:2 imports argparse"]
+
+
 # --- Muon state, and what bridge_ext/patches may import ---------------------------------------------------------
 
 # What a module of bridge_ext/patches may import of ours besides its own package, the mechanism (bridge_ext.patching),

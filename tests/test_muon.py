@@ -105,7 +105,7 @@ def test_kimi_k2_fields_are_pinned():
 
 @pytest.mark.parametrize("name", MUON_PRESETS)
 def test_every_installed_muon_field_is_set(name):
-    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from bridge_ext.upstream_api import installed_optimizer_fields
 
     preset = PRESETS[name]
     fields = {k for k in installed_optimizer_fields(preset.name, preset.optimizer) if k.startswith("muon_")}
@@ -118,7 +118,7 @@ def test_preset_fields_exist_upstream(name):
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from bridge_ext.upstream_api import installed_optimizer_fields
 
     p = PRESETS[name]
     OptimizerConfig(**installed_optimizer_fields(p.name, p.optimizer))  # under the installed release's names

@@ -210,7 +210,7 @@ EVERY_RELEASE = {"optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam
 @pytest.mark.parametrize("preset_name", ["nvidia_perf", "moonlight", "kimi_k2"])
 def test_translation_to_each_release_pins_every_muon_field(preset_name, release):
     """Each release gets every Muon field it has, with the preset's value, and nothing it lacks."""
-    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from bridge_ext.upstream_api import installed_optimizer_fields
     from recipes.optimizers import PRESETS
 
     preset = PRESETS[preset_name]
@@ -224,7 +224,7 @@ def test_translation_to_each_release_pins_every_muon_field(preset_name, release)
 
 def test_a_setting_a_release_cannot_run_is_refused_in_one_line():
     from bridge_ext.errors import UserError
-    from bridge_ext.patches.optimizer_fields import installed_optimizer_fields
+    from bridge_ext.upstream_api import installed_optimizer_fields
 
     available = frozenset(RELEASE_0_16 | EVERY_RELEASE)
     with pytest.raises(UserError) as lion:
@@ -257,7 +257,7 @@ def test_shipped_yaml_comparison_knows_the_name_differences():
 
 def test_the_name_list_is_the_adapters():
     """The explicit lists here and the adapter's translation say the same (the adapter is what builds)."""
-    from bridge_ext.patches.optimizer_fields import RENAMED, WHERE_ABSENT as ADAPTER_ABSENT
+    from bridge_ext.upstream_api import RENAMED, WHERE_ABSENT as ADAPTER_ABSENT
 
     assert {k: v[0] for k, v in RENAMED.items()} == NAME_DIFFERENCES
     assert set(ADAPTER_ABSENT) == set(WHERE_ABSENT)

@@ -96,13 +96,13 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
 
 
 def select_recipe(args: argparse.Namespace, get: Callable[[str], Any]) -> Any:
-    """``args.recipe`` by ``get`` with its preset; ``preset=NAME`` / ``layout=NAME`` overrides move onto ``args``."""
-    from recipes import split_part_selectors
+    """``args.recipe`` by ``get`` with its preset (``overrides.choose_recipe``); ``preset=NAME`` / ``layout=NAME``
+    overrides move onto ``args``."""
+    from bridge_ext.overrides import choose_recipe
 
-    parts, args.overrides = split_part_selectors(args.overrides)
-    args.preset, args.layout = parts.get("preset", args.preset), parts.get("layout", args.layout)
-    recipe = get(args.recipe)
-    return recipe.with_preset(args.preset) if args.preset else recipe
+    recipe, args.layout, args.overrides = choose_recipe(args.recipe, get=get, preset=args.preset, layout=args.layout,
+                                                        overrides=args.overrides)
+    return recipe
 
 
 def resolve(args: argparse.Namespace, *, get: Callable[[str], Any]) -> Resolved:
@@ -153,6 +153,8 @@ def run_line(*, tokens_per_step: int, train_iters: int, warmup_iters: float, dec
 def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
     """The dry run's summary of the validated config; ``task_lines`` (fine-tuning) follow the recipe line and
     replace the data line."""
+    from recipes.optimizers import is_muon
+
     recipe, cfg = resolved.recipe, resolved.checked
     m, o, t = cfg.model, cfg.optimizer, cfg.train
     gpus = cfg.data_parallel_size * m.tensor_model_parallel_size * m.pipeline_model_parallel_size \
@@ -174,7 +176,7 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
         f"precision   {cfg.mixed_precision or 'fp32'}",
         f"optimizer   {o.optimizer} lr={o.lr} min_lr={o.min_lr} wd={o.weight_decay} clip={o.clip_grad}",
     ]
-    if o.optimizer in ("muon", "dist_muon"):
+    if is_muon(o.optimizer):
         from bridge_ext.muon.presets import ns_coefficients_of
 
         lines.append(f"muon        {muon}, coefficients={ns_coefficients_of(recipe.preset, cfg)}, "
@@ -195,7 +197,7 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
             lines.append(f"tokenizer   {described}")
     if not task_lines:  # fine-tuning's task lines name its data
         lines.append(_data_line(recipe, cfg))
-    lines += stack_lines(muon=o.optimizer in ("muon", "dist_muon"), lora=getattr(cfg, "peft", None) is not None)
+    lines += stack_lines(muon=is_muon(o.optimizer), lora=getattr(cfg, "peft", None) is not None)
     sch = cfg.scheduler
     from recipes.budget import run_length
 

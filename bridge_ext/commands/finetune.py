@@ -17,6 +17,7 @@ from typing import Any
 
 from bridge_ext.commands.common import add_training_arguments, check_new_file, resolve, select_recipe, show_or_write
 from bridge_ext.errors import UserError
+from bridge_ext.overrides import value_of
 from bridge_ext.upstream_output import log_file, run_console
 
 __all__ = ["add_parser", "run"]
@@ -37,14 +38,6 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="a run shows everything Megatron and its libraries print (default: our lines and Megatron's "
                         "iteration lines; the rest goes to upstream.log next to the checkpoints)")
     return p
-
-
-def _override_value(overrides: list[str], key: str) -> str | None:
-    for item in overrides:
-        k, sep, value = item.partition("=")
-        if sep and k == key:
-            return value
-    return None
 
 
 def _check_data(data: str | None, *, training: bool) -> None:
@@ -70,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     check_new_file(args.to_yaml, overwrite=args.overwrite)
     training = not (args.dryrun or args.to_yaml)
     _check_data(args.data, training=training)
-    pretrained = _override_value(args.overrides, "checkpoint.pretrained_checkpoint")
+    pretrained = value_of(args.overrides, "checkpoint.pretrained_checkpoint")
     if args.hf and pretrained:
         raise UserError("pass either --hf DIR or checkpoint.pretrained_checkpoint=DIR, not both")
     if args.hf and not Path(args.hf).is_dir():

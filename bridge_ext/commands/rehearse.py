@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from recipes import split_part_selectors
+from bridge_ext.overrides import choose_recipe
 
 __all__ = ["add_parser", "run"]
 
@@ -47,12 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from bridge_ext.rehearse import format_rehearsal, rehearse, select_ranks, with_layout_overrides
     from recipes import get_recipe
 
-    parts, overrides = split_part_selectors(args.overrides)
-    recipe = get_recipe(args.recipe)
-    preset = parts.get("preset", args.preset)
-    if preset:
-        recipe = recipe.with_preset(preset)
-    recipe, layout = with_layout_overrides(recipe, parts.get("layout", args.layout), overrides)
+    recipe, layout_name, overrides = choose_recipe(args.recipe, get=get_recipe, preset=args.preset,
+                                                   layout=args.layout, overrides=args.overrides)
+    recipe, layout = with_layout_overrides(recipe, layout_name, overrides)
     if args.ranks is not None:
         ranks = select_ranks(args.ranks, world=layout.gpus, pp=layout.pp)
     else:

@@ -9,6 +9,7 @@ from typing import Any
 
 from bridge_ext.compare.runs import Run
 from bridge_ext.errors import UserError
+from bridge_ext.overrides import key_value, value_of
 
 __all__ = ["DEFAULT_FINETUNE_DATA", "OUR_FILES", "absolute_paths", "check_data", "check_finetune_runs", "check_out",
            "check_pretrained"]
@@ -38,7 +39,7 @@ def absolute_paths(items: Sequence[str]) -> list[str]:
     """Overrides naming a path, made absolute: a worker runs in its own directory."""
     out = []
     for item in items:
-        key, _, value = item.partition("=")
+        key, value = key_value(item) or ("", "")
         out.append(f"{key}={Path(value).absolute()}" if key in _PATH_KEYS and value else item)
     return out
 
@@ -68,13 +69,12 @@ def check_data(data: str | None, finetune: bool) -> str:
 def check_pretrained(runs: list[Run], common: list[str]) -> None:
     """Every fine-tuning run names an existing pretrained checkpoint (checked before anything heavy loads)."""
     for run in runs:
-        named = [v for k, _, v in (o.partition("=") for o in [*common, *run.overrides])
-                 if k == "checkpoint.pretrained_checkpoint"]
-        if not named or not named[-1]:
+        named = value_of([*common, *run.overrides], "checkpoint.pretrained_checkpoint")
+        if not named:
             raise UserError("fine-tuning runs start from a checkpoint: pass checkpoint.pretrained_checkpoint=DIR "
                             "(a pre-training run or `nemo llm import` output)")
-        if not Path(named[-1]).is_dir():
-            raise UserError(f"checkpoint.pretrained_checkpoint={named[-1]} does not exist")
+        if not Path(named).is_dir():
+            raise UserError(f"checkpoint.pretrained_checkpoint={named} does not exist")
 
 
 def check_finetune_runs(runs: list[Run], configured: dict[str, tuple[Any, Any]], data: str) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from bridge_ext.compare.runs import Run, all_recipes, is_finetune
+from bridge_ext.overrides import choose_recipe
+from recipes.optimizers import is_muon
 
 __all__ = ["configure", "run_settings"]
 
@@ -18,16 +20,12 @@ def configure(run: Run, *, iters: int, seed: int, data: str, common: list[str], 
     from bridge_ext.build import build_config
     from bridge_ext.data import use_text_corpus
 
-    recipe, overrides = all_recipes()[run.recipe], []
-    for item in [*common, *run.overrides]:
-        key, _, value = item.partition("=")
-        if key == "preset":  # a recipe part, like `nemo llm pretrain ... preset=NAME`
-            recipe = recipe.with_preset(value)
-        else:
-            overrides.append(item)
+    # preset=NAME / layout=NAME pick recipe parts, as on `nemo llm pretrain`'s command line
+    recipe, layout, overrides = choose_recipe(run.recipe, get=all_recipes().__getitem__,
+                                              overrides=[*common, *run.overrides])
     finetune = is_finetune(recipe)
     # compare's budget last (the overrides cannot set it): the schedule's fractions follow this train_iters
-    cfg = build_config(recipe, overrides=overrides, values={"train.train_iters": iters})
+    cfg = build_config(recipe, layout=layout, overrides=overrides, values={"train.train_iters": iters})
     cfg.rng.seed = seed
     cfg.checkpoint.save = None
     cfg.checkpoint.load = None
@@ -47,7 +45,7 @@ def run_settings(cfg, recipe) -> dict[str, Any]:
     """What distinguishes runs, for summary.json: preset, optimizer and schedule values as trained."""
     opt, sched = cfg.optimizer, cfg.scheduler
     keys = ["optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps"]
-    if opt.optimizer in ("muon", "dist_muon"):
+    if is_muon(opt.optimizer):
         keys += [k for k in vars(opt) if k.startswith("muon_")]
     out = {"preset": recipe.preset.name, **{k: getattr(opt, k) for k in keys}}
     out.update({f"scheduler.{k}": getattr(sched, k, None) for k in (

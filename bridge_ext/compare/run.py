@@ -33,6 +33,7 @@ from bridge_ext.compare.runs import (
 )
 from bridge_ext.compare.worker import read_settings, run_worker
 from bridge_ext.errors import UserError
+from bridge_ext.overrides import key_value
 
 __all__ = ["run_compare"]
 
@@ -57,10 +58,10 @@ def run_compare(runs: list[Run], *, out: Path, iters: int | None = None, seed: i
     check_out(out, overwrite)
     common = list(common)
     for item in common:
-        key, sep, _ = item.partition("=")
-        if not sep or item.startswith("-"):
+        pair = key_value(item)
+        if pair is None or item.startswith("-"):
             raise UserError(f"unknown option or malformed override {item!r}; overrides look like KEY=VALUE")
-        check_not_budget(key, "an override")
+        check_not_budget(pair[0], "an override")
     first = all_recipes()[runs[0].recipe]
     finetune = is_finetune(first)
     data = check_data(data, finetune)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge_ext.errors import UserError, closest
+from bridge_ext.overrides import key_value
 
 __all__ = ["DEFAULT_ITERS", "DEFAULT_SEED", "DEFAULT_SMOOTH", "Run", "RunResult", "all_recipes", "check_not_budget",
            "is_finetune", "parse_runs"]
@@ -31,7 +32,8 @@ class Run:
 
     def __post_init__(self):
         if not self.label:
-            tags = [f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" for o in self.overrides]
+            pairs = [key_value(o) or (o, "") for o in self.overrides]
+            tags = [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in pairs]
             self.label = self.recipe + (f"[{','.join(tags)}]" if tags else "")
 
     @property
@@ -70,16 +72,16 @@ def parse_runs(recipes_arg: str, sweeps: list[str]) -> list[Run]:
         if name not in RECIPES:
             raise UserError(f"unknown recipe '{name}'{closest(name, RECIPES)}; `nemo llm recipes` lists them")
         for override in own:
-            key, sep, value = override.partition("=")
-            if not sep or not key or not value:
+            pair = key_value(override)
+            if pair is None or not pair[1]:
                 raise UserError(f"--recipes entry {item!r}: write RECIPE:KEY=VALUE[:KEY=VALUE...]")
-            check_not_budget(key, "--recipes")
+            check_not_budget(pair[0], "--recipes")
         entries.append((name, own))
     columns: list[tuple[str, list[str]]] = []
     for sweep in sweeps:
-        key, sep, values = sweep.partition("=")
+        key, values = key_value(sweep) or ("", "")
         items = [v.strip() for v in values.split(",") if v.strip()]
-        if not sep or not key or not items:
+        if not key or not items:
             raise UserError(f"--sweep {sweep!r} must look like KEY=V1,V2,... (e.g. optimizer.lr=1e-3,3e-3)")
         check_not_budget(key, "--sweep")
         columns.append((key, items))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from bridge_ext.hf.directory import (
 from bridge_ext.hf.fp8 import fp8_dequantizing
 from bridge_ext.hf.read import per_expert_state
 from bridge_ext.hf.untrusted import check_loaded_finite, check_model_fits
+from bridge_ext.runtime import launcher_world_size
 
 __all__ = ['import_hf']
 
@@ -112,11 +112,11 @@ def import_hf(
     start = time.perf_counter()
     hf, target = Path(hf), Path(out)
     check_target(target, overwrite=overwrite, inputs=[hf] if hf.exists() else [])
-    if verify and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if verify and (launcher_world_size() or 1) > 1:
         raise UserError("--verify runs in one process; drop it under torchrun and verify with a one-process import")
     source = inspect_hf_dir(hf)
     check_layout(architecture_of(source.config, source.raw_config), tp=tp, pp=pp, ep=ep)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher_world_size() or 1
     if verify:
         check_model_fits(parameters=source.parameters, bytes_per_param=4, processes=1, where=hf / "config.json",
                          what="--verify's fp32 model", hint="import without --verify")  # fmt: skip

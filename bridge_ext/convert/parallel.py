@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bridge_ext.errors import UserError
-from bridge_ext.runtime import is_rank_zero
+from bridge_ext.runtime import is_rank_zero, launcher_local_rank, launcher_world_size
 
 if TYPE_CHECKING:
     from recipes.architecture import Architecture
@@ -79,11 +79,11 @@ def process_group(cpu: bool) -> Iterator[None]:
     owned = not dist.is_initialized()
     saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     if owned:
-        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if (launcher_world_size() or 1) > 1:
             if cpu:  # torchrun's rendezvous (MASTER_ADDR/PORT, RANK, WORLD_SIZE); gloo: collectives on CPU
                 dist.init_process_group("gloo")
             else:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(launcher_local_rank())
                 dist.init_process_group("nccl")
         elif cpu:
             from bridge_ext.process_state import init_single_process_distributed
@@ -129,7 +129,7 @@ def check_layout(architecture: Architecture, *, tp: int, pp: int, ep: int) -> No
     layers by PP, and the world size must be a multiple of TP x PP and of TP x EP (expert tensor parallelism
     equals TP here).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launcher_world_size() or 1
     layers = architecture.num_layers
     experts = architecture.moe.experts if architecture.moe else 0
     if ep > 1 and not experts:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import tempfile
@@ -13,6 +12,7 @@ from typing import Any
 
 from bridge_ext.convert.parallel import barrier, is_rank0, shared_path
 from bridge_ext.errors import UserError
+from bridge_ext.runtime import publish
 
 __all__ = ["check_target", "staged_output"]
 
@@ -55,11 +55,11 @@ def staged_output(target: Path) -> Iterator[Path]:
         if is_rank0():
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.replace(target, old / "x")
-                os.replace(staging, target)
+                publish(target, old / "x")
+                publish(staging, target)
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                os.replace(staging, target)
+                publish(staging, target)
         barrier()  # and every rank returns with the output in place (e.g. to export it next)
     except BaseException:
         if staging is not None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from bridge_ext.runtime import write_atomic
 
 __all__ = ["BUILTIN_SETS", "MAX_RECORDS", "instruction_records", "stdlib_signatures"]
 
@@ -73,9 +74,7 @@ def stdlib_signatures(cache: Path, *, limit: int = MAX_RECORDS) -> Path:
     if not path.is_file():
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in instruction_records(limit))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        write_atomic(path, text)  # UTF-8
     return path
 
 

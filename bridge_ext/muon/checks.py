@@ -31,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from recipes.optimizers import is_muon
 
 __all__ = ["launch_problems", "layer_wise_file_in_root", "nonpositive_logit_nans", "sharded_master_fails"]
 
@@ -167,18 +168,18 @@ def launch_problems(cfg: Any) -> list[str]:
     out = []
     master = bool(getattr(opt, "bf16", False) or getattr(opt, "fp16", False))
     if (getattr(model, "qk_clip", False) and distributed and master
-            and opt.optimizer not in ("muon", "dist_muon") and sharded_master_fails()):
+            and not is_muon(opt.optimizer) and sharded_master_fails()):
         out.append(f"model.qk_clip with optimizer.optimizer={opt.optimizer} and the distributed optimizer: "
                    f"{package_of(_MLA)}'s clip_qk cannot scale the sharded fp32 master weights (Megatron-LM PR "
                    "7382); use a Muon optimizer (MuonClip), or set optimizer.use_distributed_optimizer=false and "
                    "ddp.use_distributed_optimizer=false")
-    if (distributed and opt.optimizer in ("muon", "dist_muon")
+    if (distributed and is_muon(opt.optimizer)
             and "muon with dist optimizer is not supported" in module_source(_MUON)):
         out.append(f"optimizer.optimizer={opt.optimizer} with use_distributed_optimizer: {package_of(_MUON)} "
                    "runs Muon only without the distributed optimizer (dist_muon is the layer-wise distributed "
                    "Muon already; Megatron-LM issue 2164); set optimizer.use_distributed_optimizer=false and "
                    "ddp.use_distributed_optimizer=false")
-    if (opt.optimizer in ("muon", "dist_muon") and getattr(model, "num_moe_experts", None)
+    if (is_muon(opt.optimizer) and getattr(model, "num_moe_experts", None)
             and getattr(model, "moe_use_legacy_grouped_gemm", False)):
         out.append("model.moe_use_legacy_grouped_gemm=true with Muon: the legacy GroupedMLP holds a rank's experts "
                    "as one matrix, which Muon orthogonalizes as one (experts mixed, how many depends on EP); set "

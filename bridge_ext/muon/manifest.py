@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from recipes.budget import tokens_per_step
+
 if TYPE_CHECKING:
     from recipes import Recipe
     from recipes.architecture import Architecture
@@ -256,7 +258,7 @@ def muon_plan(recipe: Recipe | str, *, layout: str | None = None) -> MuonPlan:
     rows = tuple(b.rows)
     total = sum(r.params for r in rows)
     muon_params = sum(r.params for r in rows if r.route == "muon")
-    tokens = chosen.global_batch_size * chosen.seq_length
+    tokens = tokens_per_step(chosen.global_batch_size, chosen.seq_length)
     active = recipe.model.params.active
     embedding = arch.vocab_size * arch.hidden_size  # a lookup, not a matmul
     router_bias = 0

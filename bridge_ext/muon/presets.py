@@ -58,7 +58,7 @@ def install_settings(settings: MuonSettings) -> None:
     an unspecified ``coefficient_type`` the settings' (an explicit ``coefficient_type=`` still wins). "simple" is
     Keller Jordan's (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes
     ``coefficient_type=config.muon_coefficient_type`` explicitly: there the preset's set reaches Muon through that
-    field (``bridge_ext.patches.optimizer_fields``), and this default is never used. The gate/up split
+    field (``bridge_ext.upstream_api``), and this default is never used. The gate/up split
     (:mod:`bridge_ext.muon.split`) is read at every step. Idempotent.
     """
     _check_coefficients(settings.ns_coefficients)

@@ -10,7 +10,8 @@ of a module in its area (tests/test_patches.py); the code a row puts in place li
 
 * ``import_time``: Megatron Bridge without Transformer Engine (the import guard, PEFT's ``HAVE_TE``).
 * ``optimizer``: megatron-core's Muon vs emerging-optimizers, Newton-Schulz coefficients, the gate/up split,
-  MuonClip, Muon over LoRA adapters (``optimizer_fields``: preset field names the installed megatron-core knows).
+  MuonClip, Muon over LoRA adapters, the coefficient sets megatron-core 0.17 accepts (the preset field names the
+  installed megatron-core knows are an adapter, not a patch: ``bridge_ext.upstream_api``).
 * ``transformer``: megatron-core's attention: QK-clip's known bugs, MLA's latent norms and query as DeepSeek-V3's.
 * ``tensor_parallel``: megatron-core's tensor-parallel layers: the weights' TP attributes without
   ``perform_initialization`` (megatron-core 0.16-0.17), set by a pre-wrap hook.

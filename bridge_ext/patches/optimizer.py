@@ -25,6 +25,12 @@ row points at the function in ``bridge_ext.muon`` that does the work; what they 
   (``bridge_ext.muon.clip``).
 
 Muon over LoRA adapters (scope ``lora-muon``): ``muon-lora-no-empty-adam``.
+
+And (scope ``stack``): ``muon-coefficient-types``: megatron-core 0.17 ``optimizer/muon.py``
+``validate_coefficient_type`` accepts only "quintic" unless emerging-optimizers >= 0.2 is installed, although
+emerging-optimizers 0.1.0's ``newton_schulz`` has the same sets ("simple" included): with 0.1.0 (the NeMo
+26.04 containers') a preset's "simple" would stop the optimizer's construction. Accepts every set the installed
+emerging-optimizers defines; skipped where megatron-core does not check (0.16, 0.18+) or already accepts them.
 """
 
 from __future__ import annotations
@@ -139,6 +145,38 @@ _OPTIM = "megatron.bridge.training.optim"
 assert len(NS_COEFFICIENTS) == len(GATE_UP_SPLIT[1:]) == len(_TPM_HOMES)
 
 
+# --- megatron-core 0.17 optimizer/muon.py validate_coefficient_type vs emerging-optimizers 0.1.0 -------------
+def _coefficient_sets() -> tuple[str, ...]:
+    """The Newton-Schulz coefficient sets the installed emerging-optimizers' ``newton_schulz`` knows."""
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+    return tuple(muon_utils._COEFFICIENT_SETS)
+
+
+def _refuses(validate: Any, name: str) -> bool:
+    try:
+        validate(name)
+    except ValueError:
+        return True
+    return False
+
+
+def _coefficient_types_needed() -> bool:
+    muon = importlib.import_module(_MUON)
+    validate = getattr(muon, "validate_coefficient_type", None)
+    if validate is None or "validate_coefficient_type(coefficient_type)" not in module_source(_MUON):
+        return False  # megatron-core does not check the name here (0.16; 0.18+ checks against emerging-optimizers)
+    return any(_refuses(validate, name) for name in _coefficient_sets())
+
+
+def _accept_installed_sets(validate: Any) -> Any:
+    def validate_coefficient_type(coefficient_type: str) -> None:
+        if coefficient_type not in _coefficient_sets():
+            validate(coefficient_type)
+
+    return validate_coefficient_type
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="muon-nesterov-kwarg", area="optimizer", scope="stack",
@@ -214,5 +252,16 @@ PATCHES: tuple[Patch, ...] = (
         needed=lambda: "chained_adam = get_megatron_optimizer(" in module_source("megatron.core.optimizer.muon"),
         snippets=("get_megatron_muon_optimizer(",),
         make=_without_empty_parts,
+    ),
+    Patch(
+        name="muon-coefficient-types", area="optimizer", scope="stack",
+        module=_MUON, attr="validate_coefficient_type",
+        upstream="megatron/core/optimizer/muon.py validate_coefficient_type (TensorParallelMuon.__init__)",
+        why="megatron-core accepts only 'quintic' without emerging-optimizers >= 0.2, whose 0.1.0 newton_schulz "
+            "has 'simple' too (the moonlight and kimi_k2 presets' set)",
+        when="megatron-core checks the coefficient set and refuses one the installed emerging-optimizers has",
+        needed=_coefficient_types_needed,
+        snippets=("validate_coefficient_type(coefficient_type)",),
+        make=_accept_installed_sets,
     ),
 )

@@ -38,11 +38,6 @@ def _optimizer() -> tuple[Patch, ...]:
     return optimizer.PATCHES
 
 
-def _optimizer_fields() -> tuple[Patch, ...]:
-    from bridge_ext.patches import optimizer_fields
-    return optimizer_fields.PATCHES
-
-
 def _transformer() -> tuple[Patch, ...]:
     from bridge_ext.patches import transformer
     return transformer.PATCHES
@@ -88,7 +83,7 @@ def _launch() -> tuple[Patch, ...]:
     return launch.PATCHES
 
 
-TABLES_IN_ORDER = (_import_time, _optimizer, _optimizer_fields, _transformer, _tensor_parallel, _training,
+TABLES_IN_ORDER = (_import_time, _optimizer, _transformer, _tensor_parallel, _training,
                    _checkpointing, _conversion, _without_te, _cpu, _rehearse, _launch)
 # Scope -> the tables holding its rows (tests/test_patches.py checks it against every row).
 TABLES: dict[str, tuple[Callable[[], tuple[Patch, ...]], ...]] = {
@@ -96,7 +91,7 @@ TABLES: dict[str, tuple[Callable[[], tuple[Patch, ...]], ...]] = {
     "lora": (_import_time,),
     "muon": (_optimizer,),
     "lora-muon": (_optimizer,),
-    "stack": (_optimizer, _optimizer_fields, _transformer, _tensor_parallel, _training),
+    "stack": (_optimizer, _transformer, _tensor_parallel, _training),
     "config": (_training,),
     "dryrun": (_training,),
     "checkpointing": (_checkpointing,),

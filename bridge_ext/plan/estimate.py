@@ -10,6 +10,8 @@ from bridge_ext.errors import UserError
 from bridge_ext.overrides import LAYOUT_KEYS, layout_sizes, parse_overrides, positive_int
 from bridge_ext.plan.memory import GB, GPUS, HEADROOM, Memory, OptimizerKind, activation_bytes, model_state, verdict
 from bridge_ext.plan.ranks import RankParams, Spec, rank_params
+from recipes.budget import tokens_per_step
+from recipes.optimizers import is_muon
 
 __all__ = ["BLOG", "BLOG_URL", "LABELS", "OVERRIDABLE", "OVERRIDE_KEYS", "Plan", "pipeline_ranks", "plan",
            "selected_optimizer"]
@@ -107,7 +109,7 @@ def _apply_overrides(layout, overrides: list[str]) -> tuple[Any, dict[str, Any],
 
 def _selected(opt: dict[str, Any]) -> OptimizerKind:
     name = opt.get("optimizer", "adam")
-    if name in ("muon", "dist_muon"):
+    if is_muon(name):
         return name
     if name != "adam":
         raise UserError(f"optimizer.optimizer={name} is not planned; use muon, dist_muon or adam")
@@ -174,7 +176,7 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
     memory = {}
     for kind in LABELS:
         per_rank = [Memory(optimizer=kind, pp_rank=r.pp_rank, params=r.total, activations=activations[r.pp_rank],
-                           **model_state(r, chosen, kind, muon=kind in ("dist_muon", "muon")))
+                           **model_state(r, chosen, kind, muon=is_muon(kind)))
                     for r in ranks]
         memory[kind] = max(per_rank, key=lambda m: m.total)
     selected = selected_optimizer(recipe, optimizer)
@@ -196,5 +198,6 @@ def plan(recipe: Any, *, layout: str | None = None, preset: str | None = None, o
         memory=memory, selected=selected,
         model_flops_per_step=model_flops_per_step(arch, seq_length=chosen.seq_length, tp=chosen.tp,
                                                   global_batch_size=chosen.global_batch_size),
-        ns_flops_per_step=manifest.ns_flops_per_step, tokens_per_step=chosen.global_batch_size * chosen.seq_length,
+        ns_flops_per_step=manifest.ns_flops_per_step,
+        tokens_per_step=tokens_per_step(chosen.global_batch_size, chosen.seq_length),
         train_iters=iters, tflops_per_gpu=tflops_per_gpu, tflops_source=source, notes=tuple(notes))

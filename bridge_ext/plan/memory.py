@@ -36,6 +36,7 @@ from typing import Any, Literal
 from bridge_ext.plan.ranks import RankParams, Tensor
 from recipes.architecture import Architecture
 from recipes.layouts import Layout
+from recipes.optimizers import is_muon
 
 __all__ = ["GPUS", "Memory", "OptimizerKind", "activation_bytes", "holds_logits", "layer_wise_share", "model_state",
            "ns_flops_on_rank", "verdict"]
@@ -135,7 +136,7 @@ def ns_flops_on_rank(rank: RankParams, layout: Layout, optimizer: OptimizerKind,
     """Newton-Schulz FLOPs one optimizer step runs on one GPU of pipeline rank ``rank``: the Muon matrices its
     optimizer updates (``dist_muon``: its layer-wise shares; ``muon``: every one; AdamW: none), each on this
     rank's TP shard (``Tensor.ns_flops``)."""
-    if optimizer not in ("dist_muon", "muon"):
+    if not is_muon(optimizer):
         return 0
     if optimizer == "dist_muon" and max(_group_sizes(layout)) > 1:
         tensors = [t for share in _layer_wise_shares(rank, layout, lambda ts: 0, dp_rank, expert_dp_rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bridge_ext.plan.estimate import LABELS, Plan
 from bridge_ext.plan.memory import GB, GPUS
+from recipes.optimizers import is_muon
 
 __all__ = ["format_plan", "plan_summary"]
 
@@ -65,7 +66,7 @@ def plan_summary(p: Plan) -> str:
     m = p.memory[p.selected]
     largest = max(x.total for x in p.memory.values())
     unit, scale = ("GiB", GB) if largest >= GB else ("MiB", 2**20)
-    other = "adam_distributed" if p.selected in ("dist_muon", "muon") else "dist_muon"
+    other = "adam_distributed" if is_muon(p.selected) else "dist_muon"
     verdicts = p.verdicts()
     fits = [g for g, v in verdicts.items() if v == "fits"]
     tight = [g for g, v in verdicts.items() if v == "tight"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from bridge_ext.errors import UserError
 from bridge_ext.rehearse.rehearsal import Coordinates, Device, Rehearsal
+from recipes.optimizers import is_muon
 
 __all__ = ["rehearse", "select_ranks", "with_layout_overrides"]
 
@@ -56,7 +57,7 @@ def _planned(recipe: Any, layout: Any, where: Coordinates, *, spec: str) -> tupl
 
     stage = pipeline_ranks(recipe, layout, spec=spec)[where.pp]
     kind = selected_optimizer(recipe)
-    state = model_state(stage, layout, kind, muon=kind in ("dist_muon", "muon"), dp_rank=where.dp,
+    state = model_state(stage, layout, kind, muon=is_muon(kind), dp_rank=where.dp,
                         expert_dp_rank=where.expert_dp)
     footprint = {"params": stage.total, "expert_params": stage.expert, **{k: round(v) for k, v in state.items()}}
     return kind, footprint, ns_flops_on_rank(stage, layout, kind, dp_rank=where.dp, expert_dp_rank=where.expert_dp)

@@ -23,7 +23,6 @@ loads in any layout (DCP reads the overlap of each rank's shard with the stored 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import threading
 import uuid
@@ -34,6 +33,7 @@ from typing import Any
 
 from bridge_ext.checkpoints.torch_dist import METADATA
 from bridge_ext.convert.stream.skeleton import NeedsModel, Skeleton
+from bridge_ext.runtime import write_atomic
 
 __all__ = ["Chunk", "make_strategy", "plan_chunks"]
 
@@ -273,10 +273,7 @@ def _write(directory: Path, groups: dict[tuple[int, str], list[Chunk]], objects:
             for other in gathered[1:]:
                 recorder.merge(other)
     if rank == 0:
-        tmp = directory / f"{METADATA}.tmp"
-        with open(tmp, "wb") as handle:
-            pickle.dump(recorder.metadata(directory), handle)
-        os.replace(tmp, directory / METADATA)
+        write_atomic(directory / METADATA, pickle.dumps(recorder.metadata(directory)))
     if world > 1:
         dist.barrier()
     return len(recorder.storage)
