@@ -26,8 +26,9 @@ from bridge_ext.errors import UserError, closest
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "config_to_yaml", "layout_sizes", "load_yaml_file",
-           "override_key", "parse_overrides", "parse_value", "positive_int", "set_dotted", "split_override"]
+__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "choose_recipe", "config_to_yaml", "key_value", "layout_sizes",
+           "load_yaml_file", "override_key", "parse_overrides", "parse_value", "positive_int", "set_dotted",
+           "split_override", "split_part_selectors", "value_of"]
 
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.

@@ -230,6 +230,19 @@ def test_the_private_name_check_fails_on_a_planted_import(tmp_path):
     assert private_imports(tmp_path) == ["bridge_ext/convert/cli.py:1 imports _world_size from bridge_ext.convert.parallel"]
 
 
+def nodes_outside(root: Path, home: str, finding) -> list[str]:
+    """``path:line finding`` for every AST node of ``bridge_ext/`` and ``recipes/`` but ``home`` (the fact's one
+    module) for which ``finding(node)`` says what it does there (None: nothing), in file and line order."""
+    found = []
+    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
+        if path == root / home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if what := finding(node):
+                found.append((str(path.relative_to(root)), node.lineno, what))
+    return [f"{where}:{line} {what}" for where, line, what in sorted(found)]
+
+
 # --- one home per fact: the launcher's ranks ------------------------------------------------------------------
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -239,30 +252,27 @@ def _is_os_environ(node: ast.AST) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "environ" and getattr(node.value, "id", None) == "os"
 
 
+def _rank_read(node: ast.AST) -> str | None:
+    name = None
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        if isinstance(func, ast.Attribute) and (
+                (func.attr == "get" and _is_os_environ(func.value))
+                or (func.attr == "getenv" and getattr(func.value, "id", None) == "os")):
+            name = node.args[0].value
+    elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_os_environ(node.value):
+        name = getattr(node.slice, "value", None)
+    elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and any(
+            _is_os_environ(c) for c in node.comparators):
+        name = node.left.value
+    return f"reads {name}" if name in LAUNCHER_VARIABLES else None
+
+
 def rank_variable_reads(root: Path) -> list[str]:
     """Reads of torchrun's rank variables (``os.environ.get(NAME)``, ``os.environ[NAME]``, ``NAME in os.environ``,
     ``os.getenv(NAME)``) outside ``bridge_ext/runtime.py``, their one home (``launcher_rank``,
     ``launcher_world_size``, ...). Writes (a launcher setting them) are not reads."""
-    found = []
-    for path in sorted((root / "bridge_ext").rglob("*.py")):
-        if path == root / "bridge_ext" / "runtime.py":
-            continue
-        for node in sorted(ast.walk(ast.parse(path.read_text())), key=lambda n: getattr(n, "lineno", 0)):
-            name = None
-            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-                func = node.func
-                if isinstance(func, ast.Attribute) and (
-                        (func.attr == "get" and _is_os_environ(func.value))
-                        or (func.attr == "getenv" and getattr(func.value, "id", None) == "os")):
-                    name = node.args[0].value
-            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_os_environ(node.value):
-                name = getattr(node.slice, "value", None)
-            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and any(
-                    _is_os_environ(c) for c in node.comparators):
-                name = node.left.value
-            if name in LAUNCHER_VARIABLES:
-                found.append(f"{_where(root, path, node)} reads {name}")
-    return found
+    return nodes_outside(root, "bridge_ext/runtime.py", _rank_read)
 
 
 def test_the_launchers_ranks_are_read_in_runtime_only():
@@ -292,16 +302,13 @@ def test_the_rank_read_check_sees_each_way_to_read(tmp_path):
 def muon_name_tests(root: Path) -> list[str]:
     """Comparisons against a literal collection of Megatron's Muon optimizer names (``x in ("muon", "dist_muon")``)
     outside ``recipes.optimizers.is_muon``, their one home."""
-    found = []
-    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
-        if path == root / "recipes" / "optimizers.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(
-                    isinstance(c, (ast.Tuple, ast.Set, ast.List))
-                    and {"muon", "dist_muon"} <= {getattr(e, "value", None) for e in c.elts} for c in node.comparators):
-                found.append(f"{_where(root, path, node)} tests the Muon names itself")
-    return sorted(found)
+    def literal_test(node: ast.AST) -> str | None:
+        names = [{getattr(e, "value", None) for e in c.elts} for c in getattr(node, "comparators", ())
+                 if isinstance(c, (ast.Tuple, ast.Set, ast.List))]
+        hit = isinstance(node, ast.Compare) and any({"muon", "dist_muon"} <= n for n in names)
+        return "tests the Muon names itself" if hit else None
+
+    return nodes_outside(root, "recipes/optimizers.py", literal_test)
 
 
 def test_is_this_muon_is_asked_of_one_function():
@@ -322,16 +329,13 @@ def test_the_muon_name_check_sees_a_literal_test(tmp_path):
 def key_value_splits(root: Path) -> list[str]:
     """``.partition("=")`` / ``.split("=", ...)`` outside ``bridge_ext/overrides.py``, the key=value grammar's home
     (``key_value``)."""
-    found = []
-    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
-        if path == root / "bridge_ext" / "overrides.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("partition", "split", "rpartition") and node.args
-                    and getattr(node.args[0], "value", None) == "="):
-                found.append(f"{_where(root, path, node)} splits key=value itself")
-    return sorted(found)
+    def split_at_equals(node: ast.AST) -> str | None:
+        hit = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr in ("partition", "split", "rpartition") and node.args
+               and getattr(node.args[0], "value", None) == "=")
+        return "splits key=value itself" if hit else None
+
+    return nodes_outside(root, "bridge_ext/overrides.py", split_at_equals)
 
 
 def test_key_value_is_parsed_in_one_place():
@@ -351,17 +355,14 @@ def test_the_key_value_check_sees_a_split(tmp_path):
 def renames_outside_runtime(root: Path) -> list[str]:
     """``os.replace`` / ``os.rename`` / ``.rename(...)`` outside ``bridge_ext/runtime.py``, the home of atomic writes
     (``write_atomic``) and of moving finished work into place (``publish``, ``rename_into_place``)."""
-    found = []
-    for path in [*_sources(root, "bridge_ext"), *_sources(root, "recipes")]:
-        if path == root / "bridge_ext" / "runtime.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-                continue
-            on_os = getattr(node.func.value, "id", None) == "os"
-            if (on_os and node.func.attr in ("replace", "rename")) or (node.func.attr == "rename" and not on_os):
-                found.append(f"{_where(root, path, node)} renames itself")
-    return sorted(found)
+    def renames(node: ast.AST) -> str | None:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            return None
+        on_os = getattr(node.func.value, "id", None) == "os"
+        hit = (on_os and node.func.attr in ("replace", "rename")) or (node.func.attr == "rename" and not on_os)
+        return "renames itself" if hit else None
+
+    return nodes_outside(root, "bridge_ext/runtime.py", renames)
 
 
 def test_atomic_writes_and_publishes_have_one_home():
