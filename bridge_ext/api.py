@@ -48,8 +48,8 @@ def recipe_config(name: str, *, layout: str | None = None, preset: str | None = 
     count. Returns the config itself (not the finalized copy validation makes): ``pretrain()`` validates it again.
     """
     from bridge_ext.build import resolve
-    from bridge_ext.overrides import choose_recipe
     from bridge_ext.runtime import launcher_world_size
+    from recipes.selection import choose_recipe
 
     recipe, layout, rest = choose_recipe(name, get=get_any_recipe, preset=preset, layout=layout, overrides=overrides)
     chosen = recipe.layout(layout)

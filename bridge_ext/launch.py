@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge_ext.errors import UserError
-from bridge_ext.overrides import key_value
 from bridge_ext.runtime import write_atomic
+from recipes.selection import key_value
 
 __all__ = ["CONTAINER_IMAGE", "EXECUTORS", "MEGATRON_ENV", "LaunchOptions", "check_launch", "container",
            "gpus_per_node", "job_directory", "launch", "sbatch_options", "stop_seconds", "uses_gpus"]

@@ -15,20 +15,20 @@ Commands that read a few config values without building the config (``nemo llm p
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from bridge_ext.errors import UserError, closest
+from recipes.selection import key_value
 
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
-__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "choose_recipe", "config_to_yaml", "key_value", "layout_sizes",
-           "load_yaml_file", "override_key", "parse_overrides", "parse_value", "positive_int", "set_dotted",
-           "split_override", "split_part_selectors", "value_of"]
+__all__ = ["LAYOUT_KEYS", "apply_user_overrides", "config_to_yaml", "layout_sizes", "load_yaml_file", "override_key",
+           "parse_overrides", "parse_value", "positive_int", "set_dotted", "split_override", "value_of"]
 
 
 # Keys MB's YAML dump uses to describe objects rather than dataclass fields.
@@ -47,13 +47,6 @@ LAYOUT_KEYS = {
 
 
 # ------------------------------------------------------------------------------------- the key=value grammar
-def key_value(item: str) -> tuple[str, str] | None:
-    """``(key, value text)`` of a ``key=value`` item, split at its first ``=``; None without ``=`` or key. The one
-    parser of the grammar (tests/test_layering.py): each caller words its own refusal."""
-    key, sep, text = item.partition("=")
-    return (key, text) if sep and key else None
-
-
 def split_override(item: str, *, example: str = "optimizer.lr=2e-4") -> tuple[str, str]:
     """(key, value text) of a ``key=value`` override; a one-line error without ``=``."""
     pair = key_value(item)
@@ -66,32 +59,6 @@ def value_of(items: Sequence[str], key: str) -> str | None:
     """The value the last ``key=...`` among ``items`` gives (as on the command line, the later wins); None."""
     found = [pair[1] for pair in map(key_value, items) if pair and pair[0] == key]
     return found[-1] if found else None
-
-
-def choose_recipe(name: str, *, get: Callable[[str], Any], preset: str | None = None, layout: str | None = None,
-                  overrides: Sequence[str] = ()) -> tuple[Any, str | None, list[str]]:
-    """``(recipe, layout name or None, the other overrides)``: the recipe ``name`` (by ``get``) with its preset, as
-    every command, the Python API and ``compare`` select it: ``preset=NAME`` / ``layout=NAME`` among ``overrides``
-    win over ``preset`` / ``layout`` (the flags), as later items win on the command line."""
-    parts, rest = split_part_selectors(overrides)
-    preset, layout = parts.get("preset", preset), parts.get("layout", layout)
-    recipe = get(name)
-    return (recipe.with_preset(preset) if preset else recipe), layout, rest
-
-
-def split_part_selectors(overrides: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """``({part: NAME}, the other overrides)``: the recipe-part selectors (``recipes.PART_SELECTORS``:
-    ``preset=NAME``, ``layout=NAME``) among ``key=value`` overrides."""
-    from recipes import PART_SELECTORS
-
-    parts, remaining = {}, []
-    for item in overrides:
-        pair = key_value(item)
-        if pair and pair[0] in PART_SELECTORS:
-            parts[pair[0]] = pair[1]
-        else:
-            remaining.append(item)
-    return parts, remaining
 
 
 def parse_value(text: str) -> Any:

@@ -17,11 +17,10 @@ from recipes.families import MUON_PRESET_BY_FAMILY, PROXY_OVERRIDES_BY_MODEL
 from recipes.layouts import LAYOUTS, Layout
 from recipes.models import MODELS, ModelSpec
 from recipes.optimizers import PRESETS, OptimizerPreset, adamw_twin
+from recipes.selection import PART_SELECTORS
 
 __all__ = ["PART_SELECTORS", "RECIPES", "Recipe", "get_recipe", "Layout", "ModelSpec", "OptimizerPreset", "RunLength"]
 
-# `preset=NAME` / `layout=NAME` pick recipe parts, like --preset / --layout (bridge_ext.overrides.split_part_selectors)
-PART_SELECTORS = ("preset", "layout")
 
 
 @dataclass(frozen=True, kw_only=True)

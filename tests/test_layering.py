@@ -327,29 +327,30 @@ def test_the_muon_name_check_sees_a_literal_test(tmp_path):
 
 
 def key_value_splits(root: Path) -> list[str]:
-    """``.partition("=")`` / ``.split("=", ...)`` outside ``bridge_ext/overrides.py``, the key=value grammar's home
-    (``key_value``)."""
+    """``.partition("=")`` / ``.split("=", ...)`` outside ``recipes/selection.py``, the key=value grammar's parser
+    (``key_value``: the commands, the API, ``compare`` and ``bridge_ext.overrides`` use it)."""
     def split_at_equals(node: ast.AST) -> str | None:
         hit = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                and node.func.attr in ("partition", "split", "rpartition") and node.args
                and getattr(node.args[0], "value", None) == "=")
         return "splits key=value itself" if hit else None
 
-    return nodes_outside(root, "bridge_ext/overrides.py", split_at_equals)
+    return nodes_outside(root, "recipes/selection.py", split_at_equals)
 
 
 def test_key_value_is_parsed_in_one_place():
-    """The key=value grammar lives in bridge_ext.overrides (issue 49: 10 hand-written partition("=") in 8 files)."""
+    """The key=value grammar is parsed by recipes.selection.key_value only (issue 49: 10 hand-written
+    partition("=") in 8 files)."""
     found = key_value_splits(REPO)
-    assert not found, "\n".join(found) + "\nuse bridge_ext.overrides.key_value"
+    assert not found, "\n".join(found) + "\nuse recipes.selection.key_value"
 
 
 def test_the_key_value_check_sees_a_split(tmp_path):
     (tmp_path / "bridge_ext").mkdir()
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "bridge_ext" / "overrides.py").write_text("def key_value(i):\n    return i.partition('=')\n")
-    (tmp_path / "recipes" / "bad.py").write_text("a = 'k=v'.split('=', 1)\nb = 'a,b'.split(',')\n")
-    assert key_value_splits(tmp_path) == ["recipes/bad.py:1 splits key=value itself"]
+    (tmp_path / "recipes" / "selection.py").write_text("def key_value(i):\n    return i.partition('=')\n")
+    (tmp_path / "bridge_ext" / "bad.py").write_text("a = 'k=v'.split('=', 1)\nb = 'a,b'.split(',')\n")
+    assert key_value_splits(tmp_path) == ["bridge_ext/bad.py:1 splits key=value itself"]
 
 
 def renames_outside_runtime(root: Path) -> list[str]:

@@ -96,9 +96,9 @@ def add_training_arguments(p: argparse.ArgumentParser, *, preset_help: str, over
 
 
 def select_recipe(args: argparse.Namespace, get: Callable[[str], Any]) -> Any:
-    """``args.recipe`` by ``get`` with its preset (``overrides.choose_recipe``); ``preset=NAME`` / ``layout=NAME``
-    overrides move onto ``args``."""
-    from bridge_ext.overrides import choose_recipe
+    """``args.recipe`` by ``get`` with its preset (``recipes.selection.choose_recipe``); ``preset=NAME`` /
+    ``layout=NAME`` overrides move onto ``args``."""
+    from recipes.selection import choose_recipe
 
     recipe, args.layout, args.overrides = choose_recipe(args.recipe, get=get, preset=args.preset, layout=args.layout,
                                                         overrides=args.overrides)

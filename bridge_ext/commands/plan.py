@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from bridge_ext.overrides import split_part_selectors
+from recipes.selection import split_part_selectors
 from bridge_ext.errors import UserError
 from bridge_ext.plan import OVERRIDE_KEYS
 

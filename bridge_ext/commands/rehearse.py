@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from bridge_ext.overrides import choose_recipe
+from recipes.selection import choose_recipe
 
 __all__ = ["add_parser", "run"]
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from bridge_ext.compare.runs import Run
 from bridge_ext.errors import UserError
-from bridge_ext.overrides import key_value, value_of
+from bridge_ext.overrides import value_of
+from recipes.selection import key_value
 
 __all__ = ["DEFAULT_FINETUNE_DATA", "OUR_FILES", "absolute_paths", "check_data", "check_finetune_runs", "check_out",
            "check_pretrained"]

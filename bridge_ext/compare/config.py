@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from bridge_ext.compare.runs import Run, all_recipes, is_finetune
-from bridge_ext.overrides import choose_recipe
 from recipes.optimizers import is_muon
+from recipes.selection import choose_recipe
 
 __all__ = ["configure", "run_settings"]
 

@@ -33,7 +33,7 @@ from bridge_ext.compare.runs import (
 )
 from bridge_ext.compare.worker import read_settings, run_worker
 from bridge_ext.errors import UserError
-from bridge_ext.overrides import key_value
+from recipes.selection import key_value
 
 __all__ = ["run_compare"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge_ext.errors import UserError, closest
-from bridge_ext.overrides import key_value
+from recipes.selection import key_value
 
 __all__ = ["DEFAULT_ITERS", "DEFAULT_SEED", "DEFAULT_SMOOTH", "Run", "RunResult", "all_recipes", "check_not_budget",
            "is_finetune", "parse_runs"]
