@@ -169,11 +169,9 @@ def derived_values(cfg: ConfigContainer, recipe: Recipe, *, explicit: Collection
 
     Pre-training a model with a published token budget trains it at the config's batch and sequence length
     (``train.train_iters``); the preset's schedule fractions become iteration counts
-    (``bridge_ext.muon.presets.schedule_values``). The arithmetic is ``recipes.budget``'s. Reads ``cfg``, changes
-    nothing.
+    (``recipes.budget.derived_schedule``, as ``nemo llm info`` derives them). Reads ``cfg``, changes nothing.
     """
-    from bridge_ext.muon.presets import schedule_values
-    from recipes.budget import iters_for_tokens, tokens_per_step
+    from recipes.budget import derived_schedule, iters_for_tokens, tokens_per_step
 
     explicit = {*recipe.overrides, *explicit}
     out: dict[str, Any] = {}
@@ -182,7 +180,8 @@ def derived_values(cfg: ConfigContainer, recipe: Recipe, *, explicit: Collection
             and cfg.model.seq_length):
         out["train.train_iters"] = iters_for_tokens(tokens, tokens_per_step(t.global_batch_size, cfg.model.seq_length))
     train_iters = out.get("train.train_iters", t.train_iters)
-    out.update(schedule_values(cfg.scheduler, recipe.preset, train_iters=train_iters, explicit=explicit))
+    schedule = derived_schedule(cfg.scheduler, recipe.preset, train_iters=train_iters, explicit=explicit)
+    out.update({f"scheduler.{name}": value for name, value in schedule.items()})
     return out
 
 

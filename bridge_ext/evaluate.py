@@ -448,27 +448,19 @@ def write_csv(rows: list[Evaluated], path: Path) -> None:
 
 
 def write_plot(rows: list[Evaluated], path: Path) -> None:
-    """Held-out loss against iteration and against training tokens, one line per run (matplotlib, Agg)."""
-    import matplotlib
+    """Held-out loss against iteration and against training tokens, one line per run (``bridge_ext.plots``)."""
+    from bridge_ext.plots import loss_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_iter, by_tokens) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    for run in dict.fromkeys(r.run for r in rows):
-        mine = sorted((r for r in rows if r.run == run), key=lambda r: r.iteration)
-        label = Path(run).name if Path(run).name not in ("checkpoints", "") else str(Path(run).parent.name)
-        by_iter.plot([r.iteration for r in mine], [r.loss for r in mine], marker="o", label=label)
-        by_tokens.plot([r.train_tokens for r in mine], [r.loss for r in mine], marker="o", label=label)
-    for ax, xlabel in ((by_iter, "iteration"), (by_tokens, "training tokens")):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("nemo llm evaluate: held-out loss", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with loss_figure(path, title="nemo llm evaluate: held-out loss", panels=2, size=(11, 4)) as (by_iter, by_tokens):
+        for run in dict.fromkeys(r.run for r in rows):
+            mine = sorted((r for r in rows if r.run == run), key=lambda r: r.iteration)
+            label = Path(run).name if Path(run).name not in ("checkpoints", "") else str(Path(run).parent.name)
+            by_iter.plot([r.iteration for r in mine], [r.loss for r in mine], marker="o", label=label)
+            by_tokens.plot([r.train_tokens for r in mine], [r.loss for r in mine], marker="o", label=label)
+        for ax, xlabel in ((by_iter, "iteration"), (by_tokens, "training tokens")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out loss")
+            ax.legend(fontsize=8)
 
 
 def _table(rows: list[Evaluated]) -> str:

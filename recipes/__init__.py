@@ -72,8 +72,7 @@ class Recipe:
         own = {k.removeprefix("scheduler."): v for k, v in self.overrides.items() if k.startswith("scheduler.")}
         sched = {**self.preset.scheduler, **own}
         iters = self.train_iters(chosen)
-        sched.update(derived_schedule(sched, train_iters=iters, fractions=self.preset.schedule_fractions,
-                                      explicit=own, preset=self.preset.name))
+        sched.update(derived_schedule(sched, self.preset, train_iters=iters, explicit=own))
         return run_length(global_batch_size=chosen.global_batch_size, seq_length=chosen.seq_length, train_iters=iters,
                           lr_warmup_iters=sched.get("lr_warmup_iters"),
                           lr_warmup_fraction=sched.get("lr_warmup_fraction"),

@@ -3,7 +3,8 @@ the warm-up, the WSD decay from a fraction, and the run length that follows (pur
 
 Callers hand it values and use what it returns: ``recipes.Recipe`` (``train_iters``, ``run_length``: recipe data,
 for ``nemo llm info``), ``bridge_ext.build.derived_values`` (the resolved config's ``train.train_iters`` and
-scheduler values, through ``bridge_ext.muon.presets.schedule_values``) and the dry run's summary
+scheduler values) and ``bridge_ext.muon.resolve_schedule`` each ask :func:`derived_schedule`, the one place a
+preset's schedule fractions become iterations; and the dry run's summary
 (``bridge_ext.commands.common``, :func:`run_length` of the resolved config). ``lr_decay_iters`` None means
 ``train_iters`` throughout, as Megatron Bridge's ``SchedulerConfig`` reads it.
 """
@@ -69,18 +70,23 @@ def wsd_decay_iters(fraction: float, decay: int) -> int:
     return max(1, round(fraction * decay))
 
 
-def derived_schedule(scheduler: Mapping[str, Any], *, train_iters: int | None, fractions: Mapping[str, float],
-                     explicit: Collection[str] = (), preset: str = "") -> dict[str, Any]:
-    """The scheduler values that follow from ``scheduler`` (``SchedulerConfig`` field -> value), the run's
-    ``train_iters`` and a preset's schedule ``fractions``; returns field -> value for those that change.
+def derived_schedule(scheduler: Mapping[str, Any] | Any, preset: Any, *, train_iters: int | None,
+                     explicit: Collection[str] = ()) -> dict[str, Any]:
+    """The scheduler values that follow from ``scheduler`` (``SchedulerConfig`` field -> value, or a Megatron Bridge
+    ``SchedulerConfig``), the run's ``train_iters`` and ``preset``'s schedule fractions (``schedule_fractions``, a
+    ``recipes.optimizers`` preset); returns field -> value for those that change.
 
     Megatron Bridge 0.3.1's ``SchedulerConfig`` knows ``lr_warmup_fraction`` (of the decay length) but has only
     iteration counts for the WSD decay, so ``fractions["lr_wsd_decay_fraction"]`` becomes ``lr_wsd_decay_iters``
     (:func:`wsd_decay_iters`) when the decay style is WSD. Explicit settings win: a non-zero ``lr_warmup_iters``
     drops ``lr_warmup_fraction`` (Megatron rejects both), and an ``lr_wsd_decay_iters`` named in ``explicit``
-    (scheduler field names someone set) is kept unless it is unset. ``preset`` names the preset in the error
-    raised when a fraction needs ``train_iters`` and there is none (sample-based training).
+    (the keys someone set: field names or ``scheduler.`` dotted keys) is kept unless it is unset. The error raised
+    when a fraction needs ``train_iters`` and there is none (sample-based training) names the preset.
     """
+    if not isinstance(scheduler, Mapping):
+        scheduler = {name: getattr(scheduler, name, None) for name in SCHEDULE_FIELDS}
+    fractions: Mapping[str, float] = getattr(preset, "schedule_fractions", {})
+    explicit = {key.removeprefix("scheduler.") for key in explicit}
     out: dict[str, Any] = {}
     if scheduler.get("lr_warmup_fraction") is not None and scheduler.get("lr_warmup_iters"):
         out["lr_warmup_fraction"] = None
@@ -88,7 +94,7 @@ def derived_schedule(scheduler: Mapping[str, Any], *, train_iters: int | None, f
     unset = scheduler.get("lr_wsd_decay_iters") is None or "lr_wsd_decay_iters" not in explicit
     if fraction is not None and unset and scheduler.get("lr_decay_style") == "WSD":
         if train_iters is None:
-            raise UserError(f"preset '{preset}' sets its decay as a fraction of train.train_iters; "
+            raise UserError(f"preset '{preset.name}' sets its decay as a fraction of train.train_iters; "
                             "set train.train_iters (sample-based training is not supported by this preset)")
         out["lr_wsd_decay_iters"] = wsd_decay_iters(fraction, decay_iters(scheduler.get("lr_decay_iters"),
                                                                           train_iters))

@@ -383,6 +383,69 @@ def test_the_rename_check_sees_each_way(tmp_path):
     assert renames_outside_runtime(tmp_path) == [f"bridge_ext/bad.py:{line} renames itself" for line in (3, 4, 5)]
 
 
+def matplotlib_users(root: Path) -> list[str]:
+    """Imports of matplotlib outside ``bridge_ext/plots.py``, the one loss-figure maker."""
+    def imports_matplotlib(node: ast.AST) -> str | None:
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        return "imports matplotlib" if any(n.split(".")[0] == "matplotlib" for n in names) else None
+
+    return nodes_outside(root, "bridge_ext/plots.py", imports_matplotlib)
+
+
+def test_loss_figures_have_one_maker():
+    """Every loss figure is drawn through bridge_ext.plots.loss_figure (issue 49: three plotters, in training.py,
+    compare/output.py and evaluate.py, each setting up matplotlib its own way)."""
+    found = matplotlib_users(REPO)
+    assert not found, "\n".join(found) + "\ndraw through bridge_ext.plots.loss_figure"
+
+
+def test_the_matplotlib_check_sees_each_import(tmp_path):
+    (tmp_path / "bridge_ext").mkdir()
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "bridge_ext" / "plots.py").write_text("import matplotlib\n")
+    (tmp_path / "bridge_ext" / "bad.py").write_text("import os\nimport matplotlib.pyplot as plt\n"
+                                                    "from matplotlib import cm\nfrom os import path\n")
+    assert matplotlib_users(tmp_path) == [f"bridge_ext/bad.py:{line} imports matplotlib" for line in (2, 3)]
+
+
+# `nemo llm info` shows a preset's fractions as they are (it derives nothing from them).
+SCHEDULE_FRACTIONS_SHOWN_IN = ("bridge_ext/commands/info.py",)
+
+
+def schedule_derivations(root: Path) -> list[str]:
+    """Reads of a preset's ``schedule_fractions`` and calls of the WSD arithmetic outside ``recipes/budget.py``,
+    where ``derived_schedule`` turns the fractions into iterations (``info`` may show the fractions)."""
+    def derives(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Attribute) and node.attr == "schedule_fractions" and isinstance(node.ctx, ast.Load):
+            return "reads schedule_fractions"
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "wsd_decay_iters":
+            return "derives the WSD decay"
+        return None
+
+    return [f for f in nodes_outside(root, "recipes/budget.py", derives)
+            if f.split(":")[0] not in SCHEDULE_FRACTIONS_SHOWN_IN]
+
+
+def test_the_schedule_is_derived_in_one_place():
+    """A preset's schedule fractions become iterations in recipes.budget.derived_schedule only (issue 49: composed
+    twice, in recipes/__init__.py and through muon/presets.schedule_values): info, the build and the Muon tests
+    read the same arithmetic."""
+    found = schedule_derivations(REPO)
+    assert not found, "\n".join(found) + "\ncall recipes.budget.derived_schedule"
+
+
+def test_the_schedule_check_sees_each_way(tmp_path):
+    (tmp_path / "bridge_ext" / "commands").mkdir(parents=True)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "budget.py").write_text("def f(p):\n    return wsd_decay_iters(p.schedule_fractions)\n")
+    (tmp_path / "bridge_ext" / "commands" / "info.py").write_text("def f(p):\n    return p.schedule_fractions\n")
+    (tmp_path / "bridge_ext" / "bad.py").write_text(
+        "def f(p, budget):\n    x = p.schedule_fractions\n    return budget.wsd_decay_iters(x, 10)\n")
+    assert schedule_derivations(tmp_path) == ["bridge_ext/bad.py:2 reads schedule_fractions",
+                                              "bridge_ext/bad.py:3 derives the WSD decay"]
+
+
 # Outside bridge_ext/commands, the maintainers' `python -m` entries (docs/architecture.md).
 ARGPARSE_ALSO_IN = ("bridge_ext/data.py", "bridge_ext/generate.py", "bridge_ext/patches/__main__.py")
 

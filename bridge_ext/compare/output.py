@@ -29,35 +29,27 @@ def write_eval_csv(path: Path, evals: dict[str, dict[int, float]]) -> None:
 
 def write_plot(path: Path, results: list[RunResult], summary: dict[str, Any], title: str,
                evals: dict[str, dict[int, float]] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bridge_ext.plots import loss_figure
 
     window = summary["smooth_window"]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for i, result in enumerate(results):
-        color = f"C{i % 10}"
-        steps = range(1, len(result.losses) + 1)
-        ax.plot(steps, result.losses, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smooth(result.losses, window), color=color, linewidth=1.8,
-                label=f"{result.label} (last {window}: {summary['runs'][result.label]['final_loss_mean']:.3f})")
-        held = (evals or {}).get(result.label)
-        if held:
-            steps_e = sorted(held)
-            ax.plot(steps_e, [held[s] for s in steps_e], color=color, linestyle="--", marker="o", markersize=4,
-                    label=f"{result.label} held-out (final {held[steps_e[-1]]:.3f})")
-    ax.axhline(summary["target"], color="gray", linestyle=":", linewidth=1,
-               label=f"best loss of the slowest run ({summary['target']:.3f})")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(f"training loss (faint: per iteration; solid: mean of {window})"
-                  + ("; dashed: held-out" if evals else ""))
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with loss_figure(path, title=title, size=(8, 5)) as (ax,):
+        for i, result in enumerate(results):
+            color = f"C{i % 10}"
+            steps = range(1, len(result.losses) + 1)
+            ax.plot(steps, result.losses, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, smooth(result.losses, window), color=color, linewidth=1.8,
+                    label=f"{result.label} (last {window}: {summary['runs'][result.label]['final_loss_mean']:.3f})")
+            held = (evals or {}).get(result.label)
+            if held:
+                steps_e = sorted(held)
+                ax.plot(steps_e, [held[s] for s in steps_e], color=color, linestyle="--", marker="o", markersize=4,
+                        label=f"{result.label} held-out (final {held[steps_e[-1]]:.3f})")
+        ax.axhline(summary["target"], color="gray", linestyle=":", linewidth=1,
+                   label=f"best loss of the slowest run ({summary['target']:.3f})")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(f"training loss (faint: per iteration; solid: mean of {window})"
+                      + ("; dashed: held-out" if evals else ""))
+        ax.legend(fontsize=8)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

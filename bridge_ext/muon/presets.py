@@ -2,8 +2,8 @@
 
 :func:`apply_preset` writes the preset's model fields; :func:`install_preset` installs its run-time parts in one
 step: one :class:`~bridge_ext.muon.runtime.MuonSettings` built from the preset and the run's config (Newton-Schulz
-coefficients, the gate/up split), the ``muon`` patches that read it, and MuonClip. :func:`schedule_values` turns
-its schedule fractions into iteration counts (the arithmetic: ``recipes.budget``). References: Moonlight, arXiv
+coefficients, the gate/up split), the ``muon`` patches that read it, and MuonClip. :func:`resolve_schedule` sets
+its schedule fractions as iteration counts (``recipes.budget.derived_schedule``, their one home). References: Moonlight, arXiv
 2502.16982; megatron-core 0.16.1 ``optimizer/muon.py``; emerging-optimizers ``orthogonalized_optimizers``.
 Imports neither torch nor Megatron.
 """
@@ -19,14 +19,13 @@ from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
 from bridge_ext.muon.runtime import (GATE_UP_SPLIT, NS_COEFFICIENTS, MuonSettings, install, muon_settings,
                                      ns_coefficients_of)
-from recipes.budget import SCHEDULE_FIELDS, derived_schedule
+from recipes.budget import derived_schedule
 
 if TYPE_CHECKING:
     from recipes.optimizers import OptimizerPreset
 
 __all__ = ["CoefficientType", "MuonSettings", "apply_preset", "install_ns_coefficients", "install_preset",
-           "install_settings", "installed_ns_coefficients", "ns_coefficients_of", "resolve_schedule",
-           "schedule_values"]
+           "install_settings", "installed_ns_coefficients", "ns_coefficients_of", "resolve_schedule"]
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
 
@@ -111,24 +110,11 @@ def apply_preset(cfg: Any, preset: OptimizerPreset, *, runtime: bool = True) -> 
         install_preset(preset, cfg)
 
 
-def schedule_values(scheduler: Any, preset: OptimizerPreset, *, train_iters: int | None,
-                    explicit: Collection[str] = ()) -> dict[str, Any]:
-    """The scheduler values the preset's schedule fractions give for ``train_iters`` (``scheduler.`` keys):
-    ``recipes.budget.derived_schedule`` of ``scheduler`` (a Bridge ``SchedulerConfig``). ``explicit``: the dotted
-    keys the user set (an explicit ``scheduler.lr_wsd_decay_iters`` is kept unless it is unset)."""
-    values = {name: getattr(scheduler, name, None) for name in SCHEDULE_FIELDS}
-    names = {key.removeprefix("scheduler.") for key in explicit if key.startswith("scheduler.")}
-    derived = derived_schedule(values, train_iters=train_iters, fractions=getattr(preset, "schedule_fractions", {}),
-                               explicit=names, preset=preset.name)
-    return {f"scheduler.{name}": value for name, value in derived.items()}
-
-
 def resolve_schedule(cfg: Any, preset: OptimizerPreset, *, explicit: Collection[str] = ()) -> dict[str, Any]:
-    """Set :func:`schedule_values` for ``cfg.train.train_iters`` on ``cfg.scheduler``; returns what changed
-    (field name -> value). ``bridge_ext.build`` derives them once, after every override."""
-    sched, changed = cfg.scheduler, {}
-    for dotted, value in schedule_values(sched, preset, train_iters=cfg.train.train_iters, explicit=explicit).items():
-        name = dotted.removeprefix("scheduler.")
-        setattr(sched, name, value)
-        changed[name] = value
+    """Set the scheduler values ``preset``'s schedule fractions give for ``cfg.train.train_iters``
+    (``recipes.budget.derived_schedule``) on ``cfg.scheduler``; returns them (field name -> value).
+    ``bridge_ext.build`` derives them once, after every override."""
+    changed = derived_schedule(cfg.scheduler, preset, train_iters=cfg.train.train_iters, explicit=explicit)
+    for name, value in changed.items():
+        setattr(cfg.scheduler, name, value)
     return changed
