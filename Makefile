@@ -120,7 +120,7 @@ test-fast: install  # everything but the tests marked slow
 	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 generate: install  # regenerate yaml/<recipe>.yaml and docs/recipes.md from the Python recipes
-	$(PY) -m bridge_ext.generate
+	$(PY) -m bridge_ext.shipped_files
 
 yaml: generate
 

@@ -128,7 +128,7 @@ def template(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
     cfg = pretrain_template() if task == "pretrain" else finetune_template(task)
     cfg.model = model_provider(recipe)
     if task != "pretrain":
-        from bridge_ext.finetune.build import finetune_dataset
+        from bridge_ext.finetune.config import finetune_dataset
 
         cfg.dataset = finetune_dataset(recipe, chosen)
     _apply_layout(cfg, chosen)
@@ -147,7 +147,7 @@ def template(recipe: Recipe, *, layout: str | None = None) -> ConfigContainer:
         if hasattr(cfg.tokenizer, "use_tokenizer_vocab_size"):
             cfg.tokenizer.use_tokenizer_vocab_size = False
     else:
-        from bridge_ext.finetune.build import finetune_tokenizer_dir, lora_config
+        from bridge_ext.finetune.config import finetune_tokenizer_dir, lora_config
 
         cfg.peft = lora_config(recipe)
         cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"

@@ -1,7 +1,7 @@
 """Kill-safe training: a run stopped at any moment resumes.
 
-* Atomic saves (:func:`atomic_save_checkpoint` and its helpers, installed by the ``atomic-checkpoint-save``
-  patch of ``bridge_ext.patches.checkpointing``): Megatron Bridge 0.3's ``save_checkpoint``
+* Atomic saves (:func:`atomic_save_checkpoint` and its helpers, installed by the ``atomic-checkpoint-*``
+  patches of ``bridge_ext.patches.checkpointing``, one per upstream attribute): Megatron Bridge 0.3's ``save_checkpoint``
   (``training/checkpointing.py``) writes the trackers ``latest_train_state.pt`` and
   ``latest_checkpointed_iteration.txt`` inside its nested ``train_state_finalize_fn`` *before*
   ``cfg.to_yaml(config_filename)`` writes ``run_config.yaml`` and before the tokenizer files; a run killed in

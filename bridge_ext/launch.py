@@ -256,7 +256,7 @@ def launch(options: LaunchOptions, *, recipe: Any, layout: str, config_yaml: str
     with Console(stderr=True).status("NeMo-Run: preparing the job ..."):
         import nemo_run as run
 
-        from bridge_ext.patching import apply
+        from bridge_ext.upstream_patch import apply
 
         apply("launch")
         executor = _executor(options, nodes, per_node, job_dir, home, gpus)

@@ -11,7 +11,9 @@ reports: resuming or exporting an EP>1 checkpoint elsewhere):
   state (param groups, Adam's step) is saved in ``common.pt`` in the saving layout's structure, and
   ``dist_checkpointing.load`` merges it into the loading layout's: "Cannot merge two lists with different
   lengths" (``dist_checkpointing/dict_utils.py``). :func:`load_into_this_layout` (installed over
-  ``dist_checkpointing.load`` by the ``relayout-optimizer-load`` patch) loads the optimizer state into the
+  ``dist_checkpointing.load`` by the ``relayout-optimizer-load`` patch; from megatron-core 0.17, where ``load()``
+  reads the common state itself, :func:`common_with_this_layouts_optimizer` over what it reads it with, by the
+  ``relayout-common-state`` patches) loads the optimizer state into the
   *loading* layout's structure: the common part is what this layout would have
   saved (its param groups), the tensors load by key as always (so they reshard), and the one saved
   non-tensor value a resume needs is carried over: Adam's step (``common_step``). Learning rate and
@@ -27,14 +29,19 @@ Each upstream spot the load relies on is matched by content (the patch's snippet
 
 from __future__ import annotations
 
-import importlib
+import functools
 import inspect
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from bridge_ext.runtime import is_rank_zero, read_yaml
 
-__all__ = ["load_into_this_layout", "prepare"]
+__all__ = ["common_with_this_layouts_optimizer", "load_into_this_layout", "prepare"]
+
+# The optimizer common state of the load in progress (load_into_this_layout), read by the wrapped load_common.
+_THIS_LAYOUTS_OPTIMIZER: ContextVar[Any] = ContextVar("this_layouts_optimizer", default=None)
 
 
 def _param_group_shape(tree: Any, path: tuple = ()) -> list[tuple[tuple, int]]:
@@ -113,24 +120,30 @@ def load_into_this_layout(original: Any, sharded_state_dict: Any, checkpoint_dir
         _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
         kwargs["common_strategy"] = _CommonWithOptimizer(common_strategy, rebuilt)
         return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-    # megatron-core 0.19: load() takes no common strategy (nor has verify_checkpoint_and_load_strategy); it reads
-    # the common state through serialization.load_common_state_dict (0.17: serialization.load_common, imported
-    # from strategies/common.py), replaced for the duration of this load
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-    name = ("load_common" if "common_state_dict = load_common(checkpoint_dir)" in load_source
-            else "load_common_state_dict")
-    upstream = getattr(serialization, name)
-
-    def load_common_state_dict(directory: Any) -> Any:
-        common = upstream(directory)
-        common["optimizer"] = rebuilt
-        return common
-
-    setattr(serialization, name, load_common_state_dict)
+    # megatron-core 0.17+: load() takes no common strategy (0.19 has no verify_checkpoint_and_load_strategy
+    # either); it reads the common state through serialization.load_common (0.17) or load_common_state_dict
+    # (0.19), which the relayout-common-state rows wrap (common_with_this_layouts_optimizer): for this load they
+    # return this layout's optimizer structure
+    token = _THIS_LAYOUTS_OPTIMIZER.set(rebuilt)
     try:
         return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
     finally:
-        setattr(serialization, name, upstream)
+        _THIS_LAYOUTS_OPTIMIZER.reset(token)
+
+
+def common_with_this_layouts_optimizer(load_common: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """megatron-core's ``load_common`` / ``load_common_state_dict`` (``serialization``, what ``load()`` reads the
+    common state with from 0.17), returning the common state with ``optimizer`` replaced by the loading layout's
+    own inside :func:`load_into_this_layout`'s load; upstream's value everywhere else."""
+    @functools.wraps(load_common)
+    def load_common_state_dict(checkpoint_dir: Any) -> Any:
+        common = load_common(checkpoint_dir)
+        rebuilt = _THIS_LAYOUTS_OPTIMIZER.get()
+        if rebuilt is not None:
+            common["optimizer"] = rebuilt
+        return common
+
+    return load_common_state_dict
 
 
 def _expert_parallel(model: dict) -> int:

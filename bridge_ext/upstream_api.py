@@ -52,8 +52,8 @@ from functools import cache
 from typing import Any
 
 from bridge_ext.errors import UserError
-from bridge_ext.patching import apply
 from bridge_ext.stack import first_defined, package_of, signature_params
+from bridge_ext.upstream_patch import apply
 
 __all__ = ["batch_split_calculator", "finetune_template", "mixed_precision_for_validate", "pretrain_template",
            "lora_merge", "sft_root_for_validate"]

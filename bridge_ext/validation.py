@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from bridge_ext import patching
 from bridge_ext.stack import have_transformer_engine
+from bridge_ext import upstream_patch
 
 __all__ = ["TE_KERNEL_FLAGS", "validation_without_gpu"]
 
@@ -34,5 +34,5 @@ def validation_without_gpu(cfg: Any):
     if not have_transformer_engine():
         for flag in TE_KERNEL_FLAGS:
             setattr(cfg.model, flag, False)
-    with patching.temporarily("dryrun"):  # validate-without-gpu
+    with upstream_patch.temporarily("dryrun"):  # validate-without-gpu
         yield

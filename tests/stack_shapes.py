@@ -8,7 +8,7 @@ import importlib
 
 import yaml
 
-from bridge_ext.generate import generating_stack
+from bridge_ext.shipped_files import generating_stack
 from bridge_ext.upstream_api import RENAMED, RUN_TIME, WHERE_ABSENT
 
 # Where Megatron Bridge releases differ in the *shape* of the same config (docs/stacks.md), each with why.

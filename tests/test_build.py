@@ -15,7 +15,7 @@ from bridge_ext.build import benchmark_only_fields, build_config, validate_for_l
 from bridge_ext.errors import UserError
 from bridge_ext.overrides import apply_user_overrides, config_to_yaml
 from bridge_ext.upstream_api import installed_optimizer_fields
-from bridge_ext.generate import RECIPE_CARDS, YAML_DIR, render_all, render_cards
+from bridge_ext.shipped_files import RECIPE_CARDS, YAML_DIR, render_all, render_cards
 from tests.stack_shapes import config_differences, stack_differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]  # Megatron Bridge validates each recipe

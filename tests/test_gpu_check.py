@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_check import CURVE_MEAN_ABS_TOL, compare_curve, plan_steps  # noqa: E402
+from gpu_tier.plan import CURVE_MEAN_ABS_TOL, compare_curve, plan_steps  # noqa: E402
 
 
 def test_script_parses():
@@ -108,7 +108,7 @@ def test_round_trip_comparison_by_hand(tmp_path):
     sys.path.insert(0, str(REPO / "bench" / "te"))
     from workers import compare_exports
 
-    from gpu_check import ROUND_TRIP_REL_TOL
+    from gpu_tier.plan import ROUND_TRIP_REL_TOL
 
     gen = torch.Generator().manual_seed(0)
     src = {"w": torch.randn(8, 4, generator=gen), "n": torch.ones(4)}
@@ -138,7 +138,7 @@ def test_te_workers_rehearse_on_cpu_with_the_local_spec(tmp_path):
     two exports (identical on CPU). Neither imports transformer_engine. ~30 s of CPU time (two processes)."""
     import json
 
-    from gpu_check import QK_CLIP_TAU
+    from gpu_tier.plan import QK_CLIP_TAU
 
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "gpu")}
     run = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--te", "--rehearse", "--recipe",

@@ -447,7 +447,7 @@ def test_the_schedule_check_sees_each_way(tmp_path):
 
 
 # Outside bridge_ext/commands, the maintainers' `python -m` entries (docs/architecture.md).
-ARGPARSE_ALSO_IN = ("bridge_ext/data.py", "bridge_ext/generate.py", "bridge_ext/patches/__main__.py")
+ARGPARSE_ALSO_IN = ("bridge_ext/data.py", "bridge_ext/shipped_files.py", "bridge_ext/patches/__main__.py")
 
 
 def argparse_users(root: Path) -> list[str]:
@@ -480,11 +480,11 @@ def test_the_argparse_check_sees_an_import(tmp_path):
 
 # --- Muon state, and what bridge_ext/patches may import ---------------------------------------------------------
 
-# What a module of bridge_ext/patches may import of ours besides its own package, the mechanism (bridge_ext.patching),
+# What a module of bridge_ext/patches may import of ours besides its own package, the mechanism (bridge_ext.upstream_patch),
 # bridge_ext.stack and bridge_ext.errors (the ground floor): the packages whose behaviour its patches wire in
 # (docs/architecture.md).
 WIRED_IN = ("bridge_ext.muon", "bridge_ext.cpu", "bridge_ext.without_te", "bridge_ext.kill_safe", "bridge_ext.relayout")
-PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.patching", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
+PATCHES_MAY_IMPORT = ("bridge_ext.patches", "bridge_ext.upstream_patch", "bridge_ext.stack", "bridge_ext.errors", *WIRED_IN)
 # Module-level values that hold nothing mutable, whatever their name.
 _IMMUTABLE_CALLS = {"frozenset", "tuple", "str", "int", "float", "compile", "TypeVar", "Literal", "namedtuple"}
 
@@ -532,7 +532,7 @@ def patches_importing_more(root: Path) -> list[str]:
 
 def wired_in_importing_the_registry(root: Path) -> list[str]:
     """A package patches wire in imports nothing of ``bridge_ext.patches`` (the registry imports it, to list rows
-    that point at its code), at any depth: it switches its rows on through ``bridge_ext.patching`` (``apply``,
+    that point at its code), at any depth: it switches its rows on through ``bridge_ext.upstream_patch`` (``apply``,
     ``temporarily``: the mechanism, which imports nothing of ours but ``stack``), and rows it declares itself (CPU
     mode's) build on the ``Patch`` type there."""
     found = []

@@ -15,9 +15,9 @@ import pytest
 
 from bridge_ext import patches
 from bridge_ext.patches import registry
-from bridge_ext.patching import Patch, always
 from bridge_ext.patches.optimizer import renamed_kwarg
 from bridge_ext.stack import UpstreamDrift, call_keywords, describe_stack, package_of, version_of
+from bridge_ext.upstream_patch import Patch, always
 
 pytestmark = pytest.mark.stack  # what differs between stacks: .ci/run runs these on every stack
 
@@ -55,6 +55,10 @@ CPU_CODE_IN_CORE_0_17 = {"cuda-on-cpu megatron.bridge.models.common.unimodal (th
                          "cuda-on-cpu megatron.core.transformer.moe.moe_utils (the MoE aux-loss tracker)"}
 # megatron-core 0.17+ names the torch_dist writer's results-queue factory get_write_results_queue (a Manager still)
 WRITER_QUEUE_PUBLIC = {"checkpoint-writer-dies-with-trainer (get_write_results_queue)"}
+# megatron-core 0.17-0.18's dist_checkpointing.load reads the common state through load_common, 0.19's through
+# load_common_state_dict (0.16: the common strategy it is handed)
+COMMON_STATE_LOAD_COMMON = {"relayout-common-state (load_common)"}
+COMMON_STATE_LOAD_COMMON_STATE_DICT = {"relayout-common-state"}
 MLA_Q_WITHOUT_LORA = {f"mla-q-projection-without-norm{scope}" for scope in ("", " (conversion)")}
 # megatron-core 0.16-0.17 set a TP layer's weight attributes only under perform_initialization (0.18 added the
 # else branch): tests/test_tp_weight_attributes.py
@@ -75,7 +79,7 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     ("0.4.2", "0.1.0"): {"prebuilt-dataset-helpers", "muon-coefficient-types", "kimi-k2-bridge-mappings",
                          "sequential-expert-numbers", *MUON_IN_OPTIMIZER_MUON_PY, *PARAM_GROUPS_BY_FOUR_KEYS,
                          *DEEPSEEK_GROUPED_NAMES_ONLY, *EMPTY_ADAM_BEFORE_0_18,
-                         *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target",
+                         *CPU_CODE_IN_CORE_0_17, *WRITER_QUEUE_PUBLIC, "yaml-signal-target", *COMMON_STATE_LOAD_COMMON,
                          *SFT_RESUME_OFFSET_EVERY_EPOCH, *TP_WEIGHT_ATTRIBUTES_ONLY_WITH_INIT},
     # 26.06.01: megatron-core 0.18 moved Muon to emerging_optimizers.py and keeps 0.19's CPU-mode code homes
     # (the DDP stream in megatron/training/models/dist_utils.py, per-rank all-gather buffers, fp32 layer-wise
@@ -85,7 +89,7 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
                          "training-log-attention-logit",
                          *{f"{name} (emerging_optimizers)" for name in MUON_IN_OPTIMIZER_MUON_PY},
                          "cuda-on-cpu megatron.training.models.dist_utils (the DDP wrapping's stream)",
-                         *PARAM_GROUPS_BY_FOUR_KEYS,
+                         *PARAM_GROUPS_BY_FOUR_KEYS, *COMMON_STATE_LOAD_COMMON,
                          *WRITER_QUEUE_PUBLIC, *SFT_RESUME_OFFSET_EVERY_EPOCH},
     # 26.08: megatron-core 0.19 calls emerging-optimizers with its own names (no kwarg fix), checks the coefficient
     # set against it, matches param groups by every override key; MB 0.6's KimiK2Bridge maps SequentialMLP experts
@@ -94,7 +98,7 @@ APPLIES_BY_STACK = {  # (megatron-bridge, emerging-optimizers) of each requireme
     # MB 0.6's fine-tuning batch sampler reshuffles every epoch unless told not to (data/samplers.py)
     ("0.6.0", "0.2.0"): {"prebuilt-dataset-helpers", *MLA_Q_WITHOUT_LORA, *{f"{name} (emerging_optimizers)" for name in
                                                        MUON_IN_OPTIMIZER_MUON_PY}, *CPU_CODE_IN_CORE_0_19,
-                         *WRITER_QUEUE_PUBLIC, "sft-batches-in-dataset-order"},
+                         *WRITER_QUEUE_PUBLIC, "sft-batches-in-dataset-order", *COMMON_STATE_LOAD_COMMON_STATE_DICT},
 }
 # newest (megatron-bridge 0.6.2, megatron-core 0.19.2, emerging-optimizers 0.3.0): the same code as 26.08 for every
 # capability-decided patch (0.19.2's Muon passes emerging-optimizers 0.3.0's names itself)
@@ -492,8 +496,8 @@ def test_no_import_cycles_between_our_modules():
         files = init.parent.rglob("*.py")
         graph[init.parent.name] = set().union(*map(_module_imports, files)) - {init.parent.name}
     assert graph["stack"] <= {"errors"}  # the ground floor
-    assert graph["patches"] <= {"patching", "stack", "errors", *WIRED_IN}, graph["patches"]  # below their users
-    # a package whose behaviour patches wire in switches its own rows on through bridge_ext.patching, never importing
+    assert graph["patches"] <= {"upstream_patch", "stack", "errors", *WIRED_IN}, graph["patches"]  # below their users
+    # a package whose behaviour patches wire in switches its own rows on through bridge_ext.upstream_patch, never importing
     # bridge_ext.patches (tests/test_layering.py): no edge back, no exemption
 
     def visit(node, trail):

@@ -287,7 +287,7 @@ def _real_micro_batch(recipe_name: str) -> Any:
 
     from bridge_ext import patches
     from bridge_ext.rehearse.activations import micro_batch
-    from bridge_ext.rehearse.build import build_rank, rehearsal_config
+    from bridge_ext.rehearse.one_rank import build_rank, rehearsal_config
     from bridge_ext.rehearse.fake import fake_process_group, initialize_parallel_state
     from recipes import get_recipe
 

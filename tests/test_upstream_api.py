@@ -13,7 +13,7 @@ import pytest
 
 import bridge_ext  # noqa: F401  (before megatron.bridge: its import guard for machines without Transformer Engine)
 from bridge_ext import upstream_api
-from bridge_ext.patching import apply
+from bridge_ext.upstream_patch import apply
 from megatron.bridge.training.config import ConfigContainer, FinetuningDatasetConfig, TokenizerConfig
 from megatron.bridge.training.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 

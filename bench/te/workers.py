@@ -11,7 +11,7 @@ with the local spec as a rehearsal (tests/test_gpu_check.py). Nothing here impor
         --result R.json
 
 **qk-clip**: the recipe trains ``--iters`` steps (mock data, layout h200x1: 8 x 128 tokens, 2 micro-batches) with
-QK-clip on at tau (gpu_check.QK_CLIP_TAU) and the max-logit telemetry every step. The initial weights of a few heads
+QK-clip on at tau (gpu_tier.plan.QK_CLIP_TAU) and the max-logit telemetry every step. The initial weights of a few heads
 are scaled up (a pre-wrap hook, before the optimizer copies them) so that their logits start far above tau: the
 proxies' own logits start near 0.1, which no clip would ever touch in a few steps. After the last step (optimizer
 step, then the clip) the same step's micro-batches go through the model again: the max logit per head as the
@@ -22,7 +22,7 @@ QK-norm, scaling W_q / W_k is undone by the norm and no weight-level clip can bo
 
 **round-trip**: a random HF directory of the recipe's shipped config -> ``nemo llm import`` -> one training step per
 spec from that checkpoint on the same mock batches -> ``nemo llm export`` of each -> per tensor
-``||A - B|| / ||B - imported||`` <= gpu_check.ROUND_TRIP_REL_TOL, B the local spec's export (the step's own update as
+``||A - B|| / ||B - imported||`` <= gpu_tier.plan.ROUND_TRIP_REL_TOL, B the local spec's export (the step's own update as
 the yardstick). In fp32 (TF32 off): a bf16 export rounds every weight to 8 bits, and one bf16 ulp of a weight is about
 half of one step's per-element update, so a bf16 comparison would measure rounding flips, not the update.
 """
@@ -45,15 +45,8 @@ for path in (str(REPO), str(REPO / "bench")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from gpu_check import (  # noqa: E402
-    LAYOUT,
-    QK_CLIP_ITERS,
-    QK_CLIP_RECIPES,
-    QK_CLIP_TAU,
-    ROUND_TRIP_REL_TOL,
-    _single_process_env,
-    step_values,
-)
+from gpu_tier.plan import LAYOUT, QK_CLIP_ITERS, QK_CLIP_RECIPES, ROUND_TRIP_REL_TOL, step_values  # noqa: E402
+from gpu_tier.worker import single_process_env  # noqa: E402
 
 # The last step runs at lr 0, so its weights change by the clip alone and a clipped head's max logit on the same batch
 # is tau exactly, but for (a) the clips of earlier layers, which change a later layer's input (CPU, fp32: the last
@@ -85,7 +78,7 @@ def _build(recipe_name: str, *, spec: str, device: str, values: dict[str, Any], 
 
     if spec == "te" and device != "cuda":
         raise SystemExit("error: --spec te needs --device cuda (Transformer Engine has no CPU path)")
-    _single_process_env()
+    single_process_env()
     recipe = get_recipe(recipe_name)
     cfg = build_config(recipe, layout=LAYOUT, values={
         "logger.log_interval": 1, "checkpoint.load": None, "logger.tensorboard_dir": None, "train.eval_iters": 0,

@@ -54,7 +54,7 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge_ext.evaluate import run_evaluate
+    from bridge_ext.evaluate.held_out import run_evaluate
 
     if args.tokens is not None and args.tokens < 1:
         raise UserError("--tokens must be at least 1")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                             "(e.g. 98,1,1; 0,1,0: all of it)")
         args.split = ",".join(p.strip() for p in parts)
     if args.choices is not None:
-        from bridge_ext.evaluate import run_choices
+        from bridge_ext.evaluate.choices import run_choices
 
         stray = [name for name, value in (("--data", args.data), ("--tokens", args.tokens), ("--out", args.out),
                                           ("--split", args.split), ("--tp", args.tp)) if value is not None]

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     # a run's console: our lines and Megatron's progress; upstream's setup lines and known warnings in a log file
     with run_console(verbose=args.verbose or not training, device=args.device) as console:
         resolved = resolve(args, get=get_finetune_recipe)
-        from bridge_ext.finetune.build import describe
+        from bridge_ext.finetune.config import describe
 
         source = f"--hf {args.hf} (imported to {target})" if target else pretrained
         task_lines = [f"finetune    {recipe.mode}: {describe(resolved.checked)}",

@@ -6,7 +6,7 @@ is visible), never on a normal GPU run.
 
 from __future__ import annotations
 
-from bridge_ext import patching
+from bridge_ext import upstream_patch
 
 __all__ = ["cpu_mode_active", "enable_cpu_mode"]
 
@@ -26,8 +26,8 @@ def enable_cpu_mode() -> None:
     global _active
     if _active:
         return
-    patching.apply("import")
-    patching.apply("stack")
-    patching.apply("without-te")  # megatron-core's MLA and MoE built without TE (bridge_ext.without_te)
-    patching.apply("cpu")
+    upstream_patch.apply("import")
+    upstream_patch.apply("stack")
+    upstream_patch.apply("without-te")  # megatron-core's MLA and MoE built without TE (bridge_ext.without_te)
+    upstream_patch.apply("cpu")
     _active = True

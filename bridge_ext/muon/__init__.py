@@ -5,9 +5,9 @@ declares the rows (``patches/optimizer.py``, ``patches/transformer.py``) that pu
 megatron-core's, as ``patches/checkpointing.py`` does with ``bridge_ext.kill_safe``. One module per job, each
 usable alone:
 
-* :mod:`bridge_ext.muon.runtime`: the settings the patched code reads at every call (:class:`MuonSettings`:
+* :mod:`bridge_ext.muon.settings`: the settings the patched code reads at every call (:class:`MuonSettings`:
   Newton-Schulz coefficients, gate/up split; one immutable object built from the preset, installed whole,
-  read through :func:`~bridge_ext.muon.runtime.muon_settings`) and the names of the ``muon`` scope's patches.
+  read through :func:`~bridge_ext.muon.settings.muon_settings`) and the names of the ``muon`` scope's patches.
 
 * :mod:`bridge_ext.muon.presets`: presets at run time (:func:`apply_preset`, :func:`install_preset`,
   :func:`resolve_schedule`): what a ``recipes.optimizers.MuonPreset`` needs beyond the
@@ -41,7 +41,7 @@ from bridge_ext.muon.presets import (
     installed_ns_coefficients,
     resolve_schedule,
 )
-from bridge_ext.muon.runtime import MuonSettings, muon_settings
+from bridge_ext.muon.settings import MuonSettings, muon_settings
 from bridge_ext.muon.telemetry import MuonTelemetry, orthogonality_error
 
 __all__ = [

@@ -15,9 +15,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext import patching
 from bridge_ext.muon.attention_logits import attentions
-from bridge_ext.muon.runtime import MUON_CLIP
+from bridge_ext.muon.settings import MUON_CLIP
+from bridge_ext import upstream_patch
 
 __all__ = ["bridge_clip_qk", "clip_qk", "floored_clip_qk", "install_muon_clip"]
 
@@ -29,7 +29,7 @@ def install_muon_clip() -> None:
     after ``optimizer.step()`` when ``model.qk_clip`` is set; that one reaches the decoder as
     ``model_chunk.module.module`` and raises ``AttributeError`` for fp32 models (no Float16Module).
     """
-    patching.apply("muon", only=MUON_CLIP)
+    upstream_patch.apply("muon", only=MUON_CLIP)
 
 
 def clip_qk(model: Any, *, log_max_only: bool = False) -> float | None:

@@ -1,7 +1,7 @@
 """Muon presets at run time: what a ``recipes.optimizers.MuonPreset`` needs beyond what ``bridge_ext.build`` applies.
 
 :func:`apply_preset` writes the preset's model fields; :func:`install_preset` installs its run-time parts in one
-step: one :class:`~bridge_ext.muon.runtime.MuonSettings` built from the preset and the run's config (Newton-Schulz
+step: one :class:`~bridge_ext.muon.settings.MuonSettings` built from the preset and the run's config (Newton-Schulz
 coefficients, the gate/up split), the ``muon`` patches that read it, and MuonClip. :func:`resolve_schedule` sets
 its schedule fractions as iteration counts (``recipes.budget.derived_schedule``, their one home). References: Moonlight, arXiv
 2502.16982; megatron-core 0.16.1 ``optimizer/muon.py``; emerging-optimizers ``orthogonalized_optimizers``.
@@ -14,11 +14,11 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from bridge_ext import patching
+from bridge_ext import upstream_patch
 from bridge_ext.errors import UserError
 from bridge_ext.muon.clip import install_muon_clip
-from bridge_ext.muon.runtime import (GATE_UP_SPLIT, NS_COEFFICIENTS, MuonSettings, install, muon_settings,
-                                     ns_coefficients_of)
+from bridge_ext.muon.settings import (GATE_UP_SPLIT, NS_COEFFICIENTS, MuonSettings, install, muon_settings,
+                                      ns_coefficients_of)
 from recipes.budget import derived_schedule
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def _check_coefficients(coefficient_type: str) -> None:
 
 
 def _switch_on_ns_coefficients() -> None:
-    if not patching.apply("muon", only=NS_COEFFICIENTS):
+    if not upstream_patch.apply("muon", only=NS_COEFFICIENTS):
         from bridge_ext.stack import UpstreamDrift, package_of
 
         raise UpstreamDrift(f"{package_of('megatron.core')}: no TensorParallelMuon in megatron.core.optimizer's "
@@ -53,7 +53,7 @@ def install_settings(settings: MuonSettings) -> None:
     Newton-Schulz coefficients: megatron-core 0.16's ``get_megatron_muon_optimizer`` (``optimizer/muon.py:236``)
     builds ``TensorParallelMuon`` without a ``coefficient_type``, so it is always the class default "quintic"
     (modded-nanogpt's 5 per-step sets), and ``OptimizerConfig`` has no field for it: the ``muon-ns-coefficients``
-    patch (``bridge_ext.patches.optimizer``, making :func:`~bridge_ext.muon.runtime.ns_coefficients_default`) makes
+    patch (``bridge_ext.patches.optimizer``, making :func:`~bridge_ext.muon.settings.ns_coefficients_default`) makes
     an unspecified ``coefficient_type`` the settings' (an explicit ``coefficient_type=`` still wins). "simple" is
     Keller Jordan's (3.4445, -4.7750, 2.0315). megatron-core 0.17+ passes
     ``coefficient_type=config.muon_coefficient_type`` explicitly: there the preset's set reaches Muon through that
@@ -63,7 +63,7 @@ def install_settings(settings: MuonSettings) -> None:
     _check_coefficients(settings.ns_coefficients)
     install(settings)
     _switch_on_ns_coefficients()
-    patching.apply("muon", only=GATE_UP_SPLIT)
+    upstream_patch.apply("muon", only=GATE_UP_SPLIT)
 
 
 def install_preset(preset: OptimizerPreset, cfg: Any = None) -> None:

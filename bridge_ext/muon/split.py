@@ -11,7 +11,7 @@ Tensor parallelism: each rank's shard is ``[gate_r; up_r]`` (``GatedMLPMapping``
 so halving the local shard gives the gate and up shards; blockwise mode orthogonalizes each, the
 distributed modes gather each along dim 0 as before. The ``muon-gate-up-params`` and ``muon-gate-up-split``
 patches (``bridge_ext.patches.optimizer``) put :func:`marking_gate_up` and :func:`gate_up_apart` in place; whether
-the split is on is the current ``MuonSettings.split_gate_up`` (``bridge_ext.muon.runtime``, installed with the
+the split is on is the current ``MuonSettings.split_gate_up`` (``bridge_ext.muon.settings``, installed with the
 preset by ``bridge_ext.muon.presets.install_preset``). Imports neither torch nor Megatron at import time.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from dataclasses import replace
 
-from bridge_ext import patching
-from bridge_ext.muon.runtime import GATE_UP_SPLIT, install, muon_settings
+from bridge_ext.muon.settings import GATE_UP_SPLIT, install, muon_settings
+from bridge_ext import upstream_patch
 
 __all__ = ["GATE_UP_PATTERN", "flag_main_params", "gate_up_apart", "gate_up_split_installed", "install_gate_up_split",
            "mark_gate_up_params", "marking_gate_up"]
@@ -48,7 +48,7 @@ def install_gate_up_split(enabled: bool) -> None:
     ``TensorParallelMuon.orthogonalize``.
     """
     install(replace(muon_settings(), split_gate_up=enabled))
-    patching.apply("muon", only=GATE_UP_SPLIT)
+    upstream_patch.apply("muon", only=GATE_UP_SPLIT)
 
 
 def mark_gate_up_params(model_chunks: Any) -> int:
@@ -100,7 +100,7 @@ def marking_gate_up(build: Callable) -> Callable:
 def gate_up_apart(orthogonalize: Callable) -> Callable:
     """``TensorParallelMuon.orthogonalize`` that, while the split is on, orthogonalizes ``[gate; up]`` per half.
 
-    The split is read from :func:`~bridge_ext.muon.runtime.muon_settings` at every call: megatron-core calls this
+    The split is read from :func:`~bridge_ext.muon.settings.muon_settings` at every call: megatron-core calls this
     method, with no way to hand it our settings."""
 
     def orthogonalize_parts(self: Any, p: Any, grad: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
 """Every change we make to upstream behaviour (Megatron Bridge, megatron-core, emerging-optimizers, torch), in one
-package, with one mechanism (:class:`Patch`, in ``bridge_ext.patching``, below every package the rows wire in) and
+package, with one mechanism (:class:`Patch`, in ``bridge_ext.upstream_patch``, below every package the rows wire in) and
 one registry (:data:`REGISTRY`).
 
 A patch names the upstream code it works around, the condition it applies under (decided from the installed
@@ -34,8 +34,8 @@ Adding a patch: one :class:`Patch` entry in its area module's ``PATCHES`` (and, 
 
 from typing import Any
 
-from bridge_ext.patching import Area, Patch, Scope, problems
 from bridge_ext.patches import registry
+from bridge_ext.upstream_patch import Area, Patch, Scope, problems
 from bridge_ext.patches.registry import (
     applied,
     applied_here,

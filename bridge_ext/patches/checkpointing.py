@@ -6,15 +6,18 @@ expert-parallel layouts in ``bridge_ext.relayout`` (only ``param-group-identity`
 of ours behind it, is here). What is replaced upstream, why, when, and the upstream code each relies on (matched
 by content) is here.
 
-* ``atomic-checkpoint-save``: megatron-bridge 0.3 ``training/checkpointing.py`` ``save_checkpoint`` writes the
-  trackers before ``run_config.yaml`` and the tokenizer files: a run killed in between names an iteration it
-  can never load. Every module's reference to ``save_checkpoint`` and the three helpers it calls are wrapped
-  so that the trackers are staged in the iteration directory and moved into place once it is complete.
+* ``atomic-checkpoint-save`` and the four ``atomic-checkpoint-*`` rows, one per attribute: megatron-bridge 0.3
+  ``training/checkpointing.py`` ``save_checkpoint`` writes the trackers before ``run_config.yaml`` and the
+  tokenizer files: a run killed in between names an iteration it can never load. ``save_checkpoint`` (in every
+  module that imported it by name) and the four helpers it calls are wrapped so that the trackers are staged in
+  the iteration directory and moved into place once it is complete.
 * ``checkpoint-writer-dies-with-trainer``: megatron-core ``dist_checkpointing/strategies/filesystem_async.py``
   ``_get_write_results_queue`` (0.17+: ``get_write_results_queue(mp_mode)``, one patch per name) starts a
   Manager server that outlives a trainer killed with SIGKILL.
 * ``relayout-optimizer-load``: megatron-core ``dist_checkpointing.load`` merges the saved optimizer structure
-  into the loading layout's: a resume with another expert-parallel size fails ("Cannot merge two lists").
+  into the loading layout's: a resume with another expert-parallel size fails ("Cannot merge two lists"). Where
+  ``load()`` reads the common state itself (megatron-core 0.17+), ``relayout-common-state`` (0.19:
+  ``load_common_state_dict``; 0.17-0.18: ``load_common``) hands it this layout's structure for that load.
 * ``param-group-identity`` (Megatron-LM issue 2625): megatron-core ``optimizer/optimizer.py``
   ``MegatronOptimizer._filter_and_reorder_param_groups`` pairs each param group of a loaded checkpoint with the
   optimizer's by ``param_group_identifier_keys`` (0.16-0.18: wd_mult, lr_mult, is_expert_parallel,
@@ -38,16 +41,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patching import Patch, one_of
 from bridge_ext.stack import UpstreamDrift, package_of
+from bridge_ext.upstream_patch import Patch, one_of
 
 __all__ = ["PATCHES", "groups_collide", "pair_param_groups"]
 
 _CKPT = "megatron.bridge.training.checkpointing"
+_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
 
 
-def _install_atomic_save() -> None:
-    from bridge_ext.kill_safe import atomic_save_checkpoint, commit_after_async_save, deferred_cleanup, staged_tracker
+def _rebind_save_checkpoint() -> None:
+    """``save_checkpoint`` wrapped (``bridge_ext.kill_safe.atomic_save_checkpoint``) in every ``megatron.bridge``
+    module that imported it by name (``training/train.py`` holds its own reference): one attribute, several
+    holders, so an install rather than one ``setattr``."""
+    from bridge_ext.kill_safe import atomic_save_checkpoint
 
     ckpt = importlib.import_module(_CKPT)
     importlib.import_module("megatron.bridge.training.train")  # holds its own reference to save_checkpoint
@@ -57,14 +64,49 @@ def _install_atomic_save() -> None:
         if getattr(module, "__name__", "").startswith("megatron.bridge") and \
                 getattr(module, "save_checkpoint", None) is original:
             module.save_checkpoint = wrapped
-    tracker, train_state = ckpt.get_checkpoint_tracker_filename, ckpt.get_checkpoint_train_state_filename
-    ckpt.get_checkpoint_tracker_filename = functools.wraps(tracker)(
-        lambda checkpoints_path: staged_tracker(tracker(checkpoints_path), checkpoints_path))
-    ckpt.get_checkpoint_train_state_filename = functools.wraps(train_state)(
+
+
+def _staged_tracker_filename(tracker: Callable) -> Callable:
+    from bridge_ext.kill_safe import staged_tracker
+
+    return functools.wraps(tracker)(lambda checkpoints_path: staged_tracker(tracker(checkpoints_path),
+                                                                            checkpoints_path))
+
+
+def _staged_train_state_filename(train_state: Callable) -> Callable:
+    from bridge_ext.kill_safe import staged_tracker
+
+    return functools.wraps(train_state)(
         lambda checkpoints_path, prefix=None: train_state(checkpoints_path, prefix=prefix) if prefix is None
         else staged_tracker(train_state(checkpoints_path, prefix=prefix), checkpoints_path))
-    ckpt.schedule_async_save = commit_after_async_save(ckpt.schedule_async_save)
-    ckpt.cleanup_old_non_persistent_checkpoint = deferred_cleanup(ckpt.cleanup_old_non_persistent_checkpoint)
+
+
+def _commit_after_async_save(schedule: Callable) -> Callable:
+    from bridge_ext.kill_safe import commit_after_async_save
+
+    return commit_after_async_save(schedule)
+
+
+def _deferred_cleanup(cleanup: Callable) -> Callable:
+    from bridge_ext.kill_safe import deferred_cleanup
+
+    return deferred_cleanup(cleanup)
+
+
+def _load_reads_common_with(name: str) -> bool:
+    """Whether the installed ``dist_checkpointing.load`` reads the saved common state through ``name``
+    (serialization's ``load_common``: megatron-core 0.17-0.18; ``load_common_state_dict``: 0.19), not through a
+    common strategy it is handed (0.16)."""
+    import inspect
+
+    serialization = importlib.import_module(_SERIALIZATION)
+    return f"common_state_dict = {name}(checkpoint_dir)" in inspect.getsource(inspect.unwrap(serialization.load))
+
+
+def _common_with_this_layouts_optimizer(load_common: Callable) -> Callable:
+    from bridge_ext.relayout import common_with_this_layouts_optimizer
+
+    return common_with_this_layouts_optimizer(load_common)
 
 
 _WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
@@ -172,16 +214,55 @@ PATCHES: tuple[Patch, ...] = (
         name="atomic-checkpoint-save", area="checkpointing", scope="checkpointing",
         module=_CKPT, attr="save_checkpoint",
         upstream="megatron/bridge/training/checkpointing.py save_checkpoint: trackers written before run_config.yaml",
-        why="a run killed mid-save names an iteration it cannot load; the trackers now move into place last "
-            "(bridge_ext.kill_safe), also get_checkpoint_*_filename, schedule_async_save, cleanup_old_*",
+        why="a run killed mid-save names an iteration it cannot load; the trackers, staged in the iteration "
+            "directory by the atomic-checkpoint-* rows below, move into place once it is complete "
+            "(bridge_ext.kill_safe); rebound in every megatron.bridge module that imported it by name",
         # what the wrapper relies on inside save_checkpoint (megatron-bridge 0.3.0 and 0.3.1 have them)
         snippets=("train_state_global_filename = get_checkpoint_train_state_filename(save_dir, prefix=TRACKER_PREFIX)",
                   "tracker_filename = get_checkpoint_tracker_filename(save_dir)",
-                  "cfg.to_yaml(config_filename)",
-                  "async_save_request.add_finalize_fn(train_state_finalize_fn)",
-                  "schedule_async_save(state, async_save_request)",
-                  "cleanup_old_non_persistent_checkpoint("),
-        install=_install_atomic_save,
+                  "cfg.to_yaml(config_filename)"),
+        install=_rebind_save_checkpoint,
+    ),
+    Patch(
+        name="atomic-checkpoint-tracker", area="checkpointing", scope="checkpointing",
+        module=_CKPT, attr="get_checkpoint_tracker_filename",
+        upstream="megatron/bridge/training/checkpointing.py get_checkpoint_tracker_filename, called by "
+                 "save_checkpoint for latest_checkpointed_iteration.txt",
+        why="the tracker save_checkpoint writes goes to the iteration directory (staged), moved into place by "
+            "atomic-checkpoint-save once the iteration is complete (bridge_ext.kill_safe.staged_tracker)",
+        snippets=("tracker_filename = get_checkpoint_tracker_filename(save_dir)",),
+        make=_staged_tracker_filename,
+    ),
+    Patch(
+        name="atomic-checkpoint-train-state", area="checkpointing", scope="checkpointing",
+        module=_CKPT, attr="get_checkpoint_train_state_filename",
+        upstream="megatron/bridge/training/checkpointing.py get_checkpoint_train_state_filename, called by "
+                 "save_checkpoint with prefix=TRACKER_PREFIX for latest_train_state.pt",
+        why="the global train state (a tracker too) is staged like the tracker; the per-iteration one "
+            "(no prefix) is left as it is (bridge_ext.kill_safe.staged_tracker)",
+        snippets=("train_state_global_filename = get_checkpoint_train_state_filename(save_dir, prefix=TRACKER_PREFIX)",),
+        make=_staged_train_state_filename,
+    ),
+    Patch(
+        name="atomic-checkpoint-async-commit", area="checkpointing", scope="checkpointing",
+        module=_CKPT, attr="schedule_async_save",
+        upstream="megatron/bridge/training/checkpointing.py schedule_async_save: an async save's trackers are "
+                 "written by its finalize functions",
+        why="an async save's staged trackers move into place after its finalize functions ran, when the "
+            "iteration is complete (bridge_ext.kill_safe.commit_after_async_save)",
+        snippets=("async_save_request.add_finalize_fn(train_state_finalize_fn)",
+                  "schedule_async_save(state, async_save_request)"),
+        make=_commit_after_async_save,
+    ),
+    Patch(
+        name="atomic-checkpoint-cleanup", area="checkpointing", scope="checkpointing",
+        module=_CKPT, attr="cleanup_old_non_persistent_checkpoint",
+        upstream="megatron/bridge/training/checkpointing.py cleanup_old_non_persistent_checkpoint, called by "
+                 "save_checkpoint before the new iteration is complete",
+        why="the old non-persistent iteration is removed only after the new one is committed: a run killed in "
+            "between still has one it can load (bridge_ext.kill_safe.deferred_cleanup)",
+        snippets=("cleanup_old_non_persistent_checkpoint(",),
+        make=_deferred_cleanup,
     ),
     Patch(
         name="checkpoint-writer-dies-with-trainer", area="checkpointing", scope="checkpointing",
@@ -232,6 +313,33 @@ PATCHES: tuple[Patch, ...] = (
             ("megatron.core.optimizer", ("is_expert_parallel = not getattr(param, 'allreduce', True)",)),
         ),
         make=_load_into_this_layout,
+    ),
+    Patch(
+        name="relayout-common-state", area="checkpointing", scope="checkpointing",
+        module=_SERIALIZATION, attr="load_common_state_dict",
+        upstream="megatron/core/dist_checkpointing/serialization.py load -> load_common_state_dict (megatron-core "
+                 "0.19: load() takes no common strategy)",
+        why="relayout-optimizer-load's load merges the tensors into this layout's optimizer structure; where load() "
+            "reads the saved common state through this function, it returns that structure for that load "
+            "(bridge_ext.relayout.common_with_this_layouts_optimizer; upstream's value for every other call)",
+        when="the installed load() reads the common state through load_common_state_dict",
+        needed=lambda: _load_reads_common_with("load_common_state_dict"),
+        snippets=("common_state_dict = load_common_state_dict(checkpoint_dir)",
+                  "merge(common_state_dict, loaded_state_dict)"),
+        make=_common_with_this_layouts_optimizer,
+    ),
+    Patch(
+        name="relayout-common-state (load_common)", area="checkpointing", scope="checkpointing",
+        module=_SERIALIZATION, attr="load_common",
+        upstream="megatron/core/dist_checkpointing/serialization.py load -> load_common (megatron-core 0.17-0.18, "
+                 "imported from strategies/common.py)",
+        why="relayout-optimizer-load's load merges the tensors into this layout's optimizer structure; where load() "
+            "reads the saved common state through load_common, it returns that structure for that load "
+            "(bridge_ext.relayout.common_with_this_layouts_optimizer; upstream's value for every other call)",
+        when="the installed load() reads the common state through load_common",
+        needed=lambda: _load_reads_common_with("load_common"),
+        snippets=("common_state_dict = load_common(checkpoint_dir)", "merge(common_state_dict, loaded_state_dict)"),
+        make=_common_with_this_layouts_optimizer,
     ),
     Patch(
         name="param-group-identity", area="checkpointing", scope="checkpointing", module=_OPT,

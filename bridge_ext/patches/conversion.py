@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, module_source, package_of
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["PATCHES"]
 

@@ -7,12 +7,19 @@ whose test still passes (upstream fixed the bug, or the test does not reach it).
 issue or pull request, or "not reported" (the fixes to send upstream). Rows of CPU mode's CUDA redirects
 (``cuda-on-cpu <module>``) are proven by the CPU run that reaches their module (:func:`proven_by`).
 
-tests/test_patches.py checks that every row has both.
+tests/test_patches.py checks that every row has both. ``proofs.json`` (:func:`last_proven`) records, per row and
+stack, the commit at which the prover last showed the row needed and the row's fingerprint then (its code and its
+proving test); tests/test_patch_proofs.py fails when a row that applies on a stack has no current proof there.
 """
 
 from __future__ import annotations
 
-__all__ = ["NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "SWITCHED_WITH", "proven_by", "reported"]
+__all__ = ["ATOMIC_SAVE", "FAILS_WITH", "NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "SWITCHED_WITH", "last_proven", "proven_by",
+           "reported"]
+
+# The atomic save's rows (bridge_ext/patches/checkpointing.py), one per attribute.
+ATOMIC_SAVE = ("atomic-checkpoint-save", "atomic-checkpoint-tracker", "atomic-checkpoint-train-state",
+               "atomic-checkpoint-async-commit", "atomic-checkpoint-cleanup")
 
 _TRAIN = "tests/test_cpu_training.py::test_pretrain_muon_decreases_loss"
 _RESUME = "tests/test_cpu_training.py::test_resume_is_bit_exact"
@@ -74,9 +81,15 @@ PROVEN_BY: dict[str, str] = {
     "manual-gc-restored": _LEAKS,
     "ddp-hook-cycle": _LEAKS,
     "atomic-checkpoint-save": _KILLS,
+    "atomic-checkpoint-tracker": _KILLS,
+    "atomic-checkpoint-train-state": _KILLS,
+    "atomic-checkpoint-async-commit": _KILLS,
+    "atomic-checkpoint-cleanup": _KILLS,
     "checkpoint-writer-dies-with-trainer": _WRITER_KILLED,
     "checkpoint-writer-dies-with-trainer (get_write_results_queue)": _WRITER_KILLED,
     "relayout-optimizer-load": _PARALLEL,
+    "relayout-common-state": _PARALLEL,
+    "relayout-common-state (load_common)": _PARALLEL,
     "param-group-identity": _LAYER_WISE,
     "deepseek-sequential-expert-mappings": ("tests/test_convert_stream.py::"  # Moonlight: DeepSeek-V3's bridge
                                             "test_streamed_export_equals_the_model_built_export_and_the_source"
@@ -114,6 +127,9 @@ PROVEN_BY: dict[str, str] = {
 # Twin rows: the same change in two scopes (a conversion process applies the conversion scope, a run the stack
 # scope, a test process both); each is proven with its twin off too.
 SWITCHED_WITH: dict[str, tuple[str, ...]] = {
+    # one mechanism in five attributes: the trackers staged by three rows are committed by the other two, so a row
+    # off alone leaves the other half working on nothing (staged trackers never committed, or none to commit)
+    **{name: tuple(other for other in ATOMIC_SAVE if other != name) for name in ATOMIC_SAVE},
     "mla-latent-norm-eps": ("mla-latent-norm-eps (conversion)",),
     "mla-latent-norm-eps (conversion)": ("mla-latent-norm-eps",),
     "mla-q-projection-without-norm": ("mla-q-projection-without-norm (conversion)",),
@@ -125,6 +141,14 @@ SWITCHED_WITH: dict[str, tuple[str, ...]] = {
         "cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)",),
     "cuda-on-cpu megatron.bridge.models.model_provider (the DDP wrapping's stream)": (
         "cuda-on-cpu megatron.bridge.models.model_provider",),
+}
+
+# The text a row's proving test fails with when the row is off: the upstream failure the row's ``why`` names, so
+# that a failure for another reason does not count as the row's proof (tests/prove_patches.py: "fails otherwise").
+FAILS_WITH: dict[str, str] = {
+    "relayout-optimizer-load": "Cannot merge two lists",
+    "relayout-common-state": "Cannot merge two lists",
+    "relayout-common-state (load_common)": "Cannot merge two lists",
 }
 
 # CPU mode's CUDA redirects by the run that reaches the module's CUDA code: checkpoint saves, TP with sequence
@@ -184,6 +208,17 @@ def proven_by(name: str) -> str | None:
         module = name.removeprefix("cuda-on-cpu ").split(" ")[0]
         return next(test for prefix, test in _REDIRECTS_BY_PREFIX if module.startswith(prefix))
     return None
+
+
+def last_proven(name: str) -> str:
+    """Where row ``name`` was last shown needed: ``stack commit`` per stack (``proofs.json``, written by
+    ``tests/prove_patches.py --record``), or "never"."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).with_name("proofs.json")
+    by_stack = json.loads(path.read_text())["rows"].get(name, {}) if path.exists() else {}
+    return ", ".join(f"{stack} {proof['commit']}" for stack, proof in by_stack.items()) or "never"
 
 
 def reported(name: str) -> str:

@@ -23,8 +23,8 @@ import importlib.machinery
 import re
 import sys
 
-from bridge_ext.patching import Patch
 from bridge_ext.stack import have_transformer_engine
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["MISSING_TE", "MISSING_TEX", "PATCHES", "guard_source", "guarded_modules"]
 

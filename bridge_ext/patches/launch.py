@@ -17,7 +17,7 @@ import inspect
 import re
 from typing import Any
 
-from bridge_ext.patching import Patch
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["PATCHES", "without_container_flags"]
 

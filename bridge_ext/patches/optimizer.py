@@ -10,12 +10,12 @@ Stack fixes (scope ``stack``, every run, GPUs too):
 
 A Muon preset's run-time parts (scope ``muon``, applied by ``bridge_ext.muon.presets.install_preset``): each
 row points at the function in ``bridge_ext.muon`` that does the work; what they do is the preset's
-``bridge_ext.muon.runtime.MuonSettings``, installed whole with the preset and read at every call
+``bridge_ext.muon.settings.MuonSettings``, installed whole with the preset and read at every call
 (``muon_settings()``: megatron-core calls these functions and cannot hand them our settings):
 
 * ``muon-ns-coefficients``: megatron-core 0.16's ``get_megatron_muon_optimizer`` builds ``TensorParallelMuon``
   without a ``coefficient_type`` (always the class default "quintic") and ``OptimizerConfig`` has no field for
-  it: an unspecified ``coefficient_type`` becomes the preset's (``bridge_ext.muon.runtime``). Where megatron-core
+  it: an unspecified ``coefficient_type`` becomes the preset's (``bridge_ext.muon.settings``). Where megatron-core
   passes it explicitly (0.17+: ``coefficient_type=config.muon_coefficient_type``) the default is never used.
 * ``muon-gate-up-params`` / ``muon-gate-up-split``: orthogonalize a gated MLP's gate and up projections
   (``linear_fc1`` = ``[gate; up]``) apart, as Moonlight's reference Muon does on the HF weights
@@ -41,10 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_ext.muon.clip import bridge_clip_qk
-from bridge_ext.muon.runtime import GATE_UP_SPLIT, NS_COEFFICIENTS, ns_coefficients_default
+from bridge_ext.muon.settings import GATE_UP_SPLIT, NS_COEFFICIENTS, ns_coefficients_default
 from bridge_ext.muon.split import gate_up_apart, marking_gate_up
-from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, module_source, package_of, signature_params
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["PATCHES", "renamed_kwarg"]
 
@@ -141,7 +141,7 @@ def _without_empty_parts(build: Callable) -> Callable:
 _OPTIM = "megatron.bridge.training.optim"
 
 
-# One patch per home of TensorParallelMuon, named as bridge_ext.muon.runtime lists them.
+# One patch per home of TensorParallelMuon, named as bridge_ext.muon.settings lists them.
 assert len(NS_COEFFICIENTS) == len(GATE_UP_SPLIT[1:]) == len(_TPM_HOMES)
 
 

@@ -6,7 +6,7 @@ never imports CPU mode's or the rehearsal's tables (nor, with them, ``bridge_ext
 a scope's patches that the installed code needs, once per process, after checking that each still fits
 (nothing is changed when one does not: one line of :class:`~bridge_ext.stack.UpstreamDrift`). ``drift()`` is
 the same check for every patch, ``table()`` the rows of docs/patches.md and ``applied()`` what this process
-changed. ``bridge_ext.patching.apply`` / ``temporarily`` hand to these (:func:`bridge_ext.patching.serve`): the
+changed. ``bridge_ext.upstream_patch.apply`` / ``temporarily`` hand to these (:func:`bridge_ext.upstream_patch.serve`): the
 packages whose behaviour the rows wire in (``muon``, ``cpu``) switch their rows on through them without importing
 this module, which imports theirs.
 """
@@ -19,10 +19,10 @@ import os
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
-from bridge_ext import patching
 from bridge_ext.patches import evidence
-from bridge_ext.patching import Patch, Scope, problems, set_value
 from bridge_ext.stack import UpstreamDrift, describe_stack
+from bridge_ext import upstream_patch
+from bridge_ext.upstream_patch import Patch, Scope, problems, set_value
 
 __all__ = ["REGISTRY", "TABLES", "TABLES_IN_ORDER", "applied", "applied_here", "apply", "drift", "markdown",
            "register_hooks", "rows", "rows_of", "switched_off", "table", "temporarily"]
@@ -201,7 +201,7 @@ def temporarily(scope: Scope) -> Iterator[tuple[str, ...]]:
             setattr(owner, name, old)
 
 
-patching.serve(apply=apply, temporarily=temporarily)
+upstream_patch.serve(apply=apply, temporarily=temporarily)
 
 
 def applied() -> tuple[str, ...]:
@@ -250,7 +250,7 @@ def table() -> list[dict[str, str]]:
         out.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
                      "how": patch.how, "upstream": patch.upstream, "condition": patch.when, "why": patch.why,
                      "applies here": here, "proven by": evidence.proven_by(patch.name) or "",
-                     "reported": evidence.reported(patch.name)})
+                     "last proven": evidence.last_proven(patch.name), "reported": evidence.reported(patch.name)})
     return out
 
 
@@ -283,7 +283,11 @@ def markdown() -> str:
         "\"Proven by\": the test that fails where the row applies once the row is switched off "
         f"(`{SWITCH_OFF_ENV}=<name>[,<name>...]`: a process leaves those rows out); `python tests/prove_patches.py "
         "[NAME ...]` runs each applying row's test so and lists the rows whose test still passes (upstream fixed "
-        "it, or the test does not reach it). \"Reported\": the upstream issue or pull request, the release from "
+        "it, or the test does not reach it). \"Last proven\": per stack, the commit at which that run last showed the "
+        "row needed (`bridge_ext/patches/proofs.json`, written by `tests/prove_patches.py --record`; "
+        "`tests/test_patch_proofs.py` fails once the row's code or its proving test changed since, and names the "
+        "command that proves it again: `python tests/prove_patches.py --stale --record` on that stack). "
+        "\"Reported\": the upstream issue or pull request, the release from "
         "which upstream no longer needs it, or \"not reported\" (the fixes still to send upstream).",
         "",
     ]
@@ -292,11 +296,12 @@ def markdown() -> str:
         if not mine:
             continue
         lines += [f"## {area} ({len(mine)})", "",
-                  "| patch | scope | target | how | upstream | condition | why | here | proven by | reported |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| patch | scope | target | how | upstream | condition | why | here | proven by | last proven | "
+                  "reported |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += ["| " + " | ".join(_cell(row[key]) for key in ("name", "scope", "target", "how", "upstream",
                                                                  "condition", "why", "applies here", "proven by",
-                                                                 "reported")) + " |"
+                                                                 "last proven", "reported")) + " |"
                   for row in mine]
         lines.append("")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from bridge_ext.patching import Patch, rewrite
+from bridge_ext.upstream_patch import Patch, rewrite
 
 __all__ = ["PATCHES", "balanced_capacity"]
 

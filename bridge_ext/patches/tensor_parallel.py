@@ -34,8 +34,8 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-from bridge_ext.patching import Area, Patch
 from bridge_ext.stack import UpstreamDrift, package_of
+from bridge_ext.upstream_patch import Area, Patch
 
 __all__ = ["AREA", "PATCHES", "set_missing_tp_attributes", "weight_attributes_only_with_initialization"]
 

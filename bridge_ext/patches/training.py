@@ -61,8 +61,8 @@ import inspect
 from collections.abc import Callable
 from pathlib import Path
 
-from bridge_ext.patching import Patch
 from bridge_ext.stack import UpstreamDrift, call_keywords, module_source, package_of
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["PATCHES"]
 

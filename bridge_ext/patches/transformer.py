@@ -84,8 +84,8 @@ from typing import Any
 
 from bridge_ext.muon.checks import nonpositive_logit_nans
 from bridge_ext.muon.clip import floored_clip_qk
-from bridge_ext.patching import Area, Patch
 from bridge_ext.stack import UpstreamDrift, package_of
+from bridge_ext.upstream_patch import Area, Patch
 
 __all__ = ["AREA", "HF_LATENT_NORM_EPS", "PATCHES", "clip_linear_qkv_per_group", "gqa_clip_fails_on_a_shard",
            "gather_kv_down_proj_with_rope_grad_summed", "k_rope_grad_summed", "plain_q_projection_resolver",

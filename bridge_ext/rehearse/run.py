@@ -110,7 +110,7 @@ def _one_rank(recipe: Any, layout: Any, cfg: Any, rank: int, *, device: Device, 
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bridge_ext.rehearse.build import build_rank
+    from bridge_ext.rehearse.one_rank import build_rank
     from bridge_ext.rehearse.fake import fake_process_group, fake_tensors, initialize_parallel_state
     from bridge_ext.rehearse.measure import describe_optimizer, footprint, initialize_state
 
@@ -198,7 +198,7 @@ def rehearse(recipe: Any, *, layout: str | None = None, preset: str | None = Non
     from bridge_ext import patches
     from bridge_ext.build import quiet_megatron
     from bridge_ext.muon.presets import install_preset
-    from bridge_ext.rehearse.build import rehearsal_config
+    from bridge_ext.rehearse.one_rank import rehearsal_config
     from recipes import get_recipe
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["TE_KERNEL_SETTINGS", "configure_without_te", "local_layer_spec", "te_checkpoint_keys"]
 
 # Provider settings that need Transformer Engine or apex kernels, and the value megatron-core's local modules run
-# with: the part that CPU mode (bridge_ext.cpu.config) and the CPU rehearsal (bridge_ext.rehearse.build) share with
+# with: the part that CPU mode (bridge_ext.cpu.config) and the CPU rehearsal (bridge_ext.rehearse.one_rank) share with
 # a GPU run without TE; each adds what its own device needs.
 TE_KERNEL_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bridge_ext.patching import Patch
 from bridge_ext.stack import module_source
+from bridge_ext.upstream_patch import Patch
 from bridge_ext.without_te.sdpa_attention import SDPACoreAttention
 
 __all__ = ["PATCHES"]

@@ -22,7 +22,7 @@ from typing import Any
 
 from bridge_ext.cpu.patches import distributed, moved, single_process
 from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, tensor_stays_on_cpu, torch_proxy
-from bridge_ext.patching import Patch
+from bridge_ext.upstream_patch import Patch
 
 __all__ = ["PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 

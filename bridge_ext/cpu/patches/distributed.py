@@ -13,8 +13,8 @@ import inspect
 from typing import Any
 
 from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, torch_proxy
-from bridge_ext.patching import Patch, one_of, rewrite
 from bridge_ext.stack import module_source
+from bridge_ext.upstream_patch import Patch, one_of, rewrite
 
 __all__ = ["PATCHES", "TORCH_ON_CPU"]
 

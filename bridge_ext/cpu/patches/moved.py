@@ -12,8 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 
 from bridge_ext.cpu.patches.redirect import TorchOnCPU, real_torch, torch_proxy
-from bridge_ext.patching import Patch, Snippet, one_of
 from bridge_ext.stack import UpstreamDrift, missing_snippets, package_of
+from bridge_ext.upstream_patch import Patch, Snippet, one_of
 
 __all__ = ["MOVED", "Home", "PATCHES"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_ext.cpu.patches.redirect import real_torch
-from bridge_ext.patching import Patch, one_of
+from bridge_ext.upstream_patch import Patch, one_of
 
 __all__ = ["CLAIMS_GPU", "PATCHES", "TENSOR_CUDA_CALLERS", "TORCH_ON_CPU"]
 

@@ -1,7 +1,7 @@
 """Files generated from the Python recipes (``make generate``): ``yaml/<recipe>.yaml`` (every recipe's
 fully resolved config) and ``docs/recipes.md`` (one card per recipe).
 
-``python -m bridge_ext.generate --check`` exits 1 when a shipped file differs from its recipe.
+``python -m bridge_ext.shipped_files --check`` exits 1 when a shipped file differs from its recipe.
 
 The pre-training recipes only: a fine-tuning recipe's config is completed at run time (the rendered data's
 cache directory, keyed by the data, the tokenizer and the seed; the tokenizer of the pretrained checkpoint),
