@@ -126,8 +126,8 @@ def current_fingerprints() -> dict[str, str]:
 
 def _head() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{PROOFS}"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()  # the records being written: not
     return done.stdout.strip() + ("+" if dirty else "")
 
 
