@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PROOFS = Path("bridge_ext") / "patches" / "proofs.json"
+sys.path.insert(0, str(ROOT))
+from bridge_ext.patches.evidence import PROOFS, read_proofs  # noqa: E402  (the records' one reader)
 
 
 def _source_of(function: Any) -> str:
@@ -76,7 +77,7 @@ def fingerprint(patch: Any, test: str | None, *, switched_with: tuple[str, ...] 
     return hashlib.sha256("\n\x00".join(parts).encode()).hexdigest()[:16]
 
 
-def locked_stacks(root: Path = ROOT) -> dict[str, dict[str, str]]:
+def locked_pins(root: Path = ROOT) -> dict[str, dict[str, str]]:
     """STACK name -> its pins (requirements/lock-<STACK>.txt)."""
     stacks = {}
     for lock in sorted((root / "requirements").glob("lock-*.txt")):
@@ -92,26 +93,22 @@ def this_stack() -> str:
 
     names = ("megatron-bridge", "megatron-core", "emerging-optimizers")
     installed = {name: version(name) for name in names}
-    found = [stack for stack, pins in locked_stacks().items() if all(pins.get(n) == installed[n] for n in names)]
+    found = [stack for stack, pins in locked_pins().items() if all(pins.get(n) == installed[n] for n in names)]
     if len(found) != 1:
-        raise SystemExit(f"error: no single lock pins the installed {installed}")
+        print(f"error: no single requirements/lock-*.txt pins the installed {installed}; run the prover in a "
+              "stack's venv (make install STACK=NAME)", file=sys.stderr)
+        raise SystemExit(2)
     return found[0]
 
 
-def read_proofs(root: Path = ROOT) -> dict[str, dict[str, dict[str, str]]]:
-    """row -> stack -> {"commit", "fingerprint"}: where each row was last shown needed."""
-    path = root / PROOFS
-    return json.loads(path.read_text())["rows"] if path.exists() else {}
-
-
-def write_proofs(rows: dict[str, dict[str, dict[str, str]]], root: Path = ROOT) -> None:
+def write_proofs(rows: dict[str, dict[str, dict[str, str]]]) -> None:
     ordered = {row: dict(sorted(by_stack.items())) for row, by_stack in sorted(rows.items())}
     body = {"about": "where each patch row was last shown needed (tests/prove_patches.py --record): per stack the "
                      "commit and the row's fingerprint (its code and its proving test); tests/test_patch_proofs.py "
                      "fails when a row that applies on a stack has no current proof there",
             "rows": ordered}
     lines = ",\n".join(f"  {json.dumps(row)}: {json.dumps(by_stack)}" for row, by_stack in ordered.items())
-    (root / PROOFS).write_text(f'{{\n "about": {json.dumps(body["about"])},\n "rows": {{\n{lines}\n }}\n}}\n')
+    PROOFS.write_text(f'{{\n "about": {json.dumps(body["about"])},\n "rows": {{\n{lines}\n }}\n}}\n')
 
 
 def current_fingerprints() -> dict[str, str]:
@@ -126,7 +123,7 @@ def current_fingerprints() -> dict[str, str]:
 
 def _head() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{PROOFS}"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{PROOFS.relative_to(ROOT)}"],
                            cwd=ROOT, capture_output=True, text=True).stdout.strip()  # the records being written: not
     return done.stdout.strip() + ("+" if dirty else "")
 
@@ -137,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-redirects", action="store_true", help="leave out CPU mode's cuda-on-cpu rows")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--record", action="store_true", help=f"write each row shown needed to {PROOFS}")
+    parser.add_argument("--record", action="store_true",
+                        help="write each row shown needed to bridge_ext/patches/proofs.json")
     parser.add_argument("--stale", action="store_true", help="only the rows without a current proof on this stack")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from bridge_ext import patches
     from bridge_ext.patches import evidence
 

@@ -148,12 +148,9 @@ def test_each_stack_fix_applies_exactly_where_the_installed_code_needs_it():
 
 def locked_stacks() -> dict[str, tuple[str, str]]:
     """STACK name -> (megatron-bridge, emerging-optimizers) as requirements/lock-<STACK>.txt pins them."""
-    stacks = {}
-    for lock in sorted((REPO / "requirements").glob("lock-*.txt")):
-        pins = dict(line.split(" ")[0].split("==", 1) for line in lock.read_text().splitlines()
-                    if "==" in line and not line.startswith("#"))
-        stacks[lock.stem.removeprefix("lock-")] = (pins["megatron-bridge"], pins["emerging-optimizers"])
-    return stacks
+    from prove_patches import locked_pins
+
+    return {stack: (pins["megatron-bridge"], pins["emerging-optimizers"]) for stack, pins in locked_pins().items()}
 
 
 def patches_by_stack_markdown() -> str:

@@ -14,8 +14,11 @@ proving test); tests/test_patch_proofs.py fails when a row that applies on a sta
 
 from __future__ import annotations
 
-__all__ = ["ATOMIC_SAVE", "FAILS_WITH", "NO_EXTENSION_POINT", "PROVEN_BY", "REPORTED", "SWITCHED_WITH", "last_proven", "proven_by",
-           "reported"]
+import json
+from pathlib import Path
+
+__all__ = ["ATOMIC_SAVE", "FAILS_WITH", "NO_EXTENSION_POINT", "PROOFS", "PROVEN_BY", "REPORTED", "SWITCHED_WITH",
+           "last_proven", "proven_by", "read_proofs", "reported"]
 
 # The atomic save's rows (bridge_ext/patches/checkpointing.py), one per attribute.
 ATOMIC_SAVE = ("atomic-checkpoint-save", "atomic-checkpoint-tracker", "atomic-checkpoint-train-state",
@@ -219,15 +222,19 @@ def proven_by(name: str) -> str | None:
     return None
 
 
-def last_proven(name: str) -> str:
-    """Where row ``name`` was last shown needed: ``stack commit`` per stack (``proofs.json``, written by
-    ``tests/prove_patches.py --record``), or "never"."""
-    import json
-    from pathlib import Path
+PROOFS = Path(__file__).with_name("proofs.json")
 
-    path = Path(__file__).with_name("proofs.json")
-    by_stack = json.loads(path.read_text())["rows"].get(name, {}) if path.exists() else {}
-    return ", ".join(f"{stack} {proof['commit']}" for stack, proof in by_stack.items()) or "never"
+
+def read_proofs() -> dict[str, dict[str, dict[str, str]]]:
+    """row -> stack -> ``{"commit", "fingerprint"}``: where each row was last shown needed (``proofs.json``,
+    written by ``tests/prove_patches.py --record``)."""
+    return json.loads(PROOFS.read_text())["rows"] if PROOFS.exists() else {}
+
+
+def last_proven(name: str, proofs: dict[str, dict[str, dict[str, str]]]) -> str:
+    """Where row ``name`` was last shown needed (``proofs``: :func:`read_proofs`): ``stack commit`` per stack, or
+    "never"."""
+    return ", ".join(f"{stack} {proof['commit']}" for stack, proof in proofs.get(name, {}).items()) or "never"
 
 
 def reported(name: str) -> str:

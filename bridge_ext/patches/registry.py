@@ -243,14 +243,14 @@ def _without_value_check(patch: Patch) -> Patch:
 def table() -> list[dict[str, str]]:
     """One row per patch: name, area, scope, target, upstream, condition, why, and whether it applies on the
     installed stack ("yes", "no", or "drift: ..." when its check meets code it does not know)."""
-    out = []
+    out, proofs = [], evidence.read_proofs()
     for patch in rows():
         decided = _decide(patch)
         here = "yes" if decided is True else "no" if decided is False else f"drift: {decided}"
         out.append({"name": patch.name, "area": patch.area, "scope": patch.scope, "target": patch.target,
                      "how": patch.how, "upstream": patch.upstream, "condition": patch.when, "why": patch.why,
                      "applies here": here, "proven by": evidence.proven_by(patch.name) or "",
-                     "last proven": evidence.last_proven(patch.name), "reported": evidence.reported(patch.name)})
+                     "last proven": evidence.last_proven(patch.name, proofs), "reported": evidence.reported(patch.name)})
     return out
 
 
