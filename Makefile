@@ -109,9 +109,13 @@ demo: install
 	  checkpoint.load=$(DEMO_RUN)/checkpoints logger.tensorboard_dir=$(DEMO_RUN)/tb_logs
 
 # PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's 26.08 run).
-# Two workers, whole modules each (--dist loadfile: a module's fixtures are made once), the costliest modules
-# first (tests/conftest.py), so both end together; docs/testing.md.
-PYTEST_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+# PYTEST_WORKERS: two for the whole suite, which keeps CI's 2 cores busy (26.02: 1,040 s with two, 1,046 s with
+# three, the Slurm test's timed signals under more load); .ci/run gives the per-stack selections three, whose
+# workers often wait on the processes they launch (26.08: 89 % busy and 320 s with two, 97 % and 281 s with
+# three; docs/testing.md). Whole modules to a worker (--dist loadfile: a module's fixtures are made once), the
+# costliest modules first (tests/conftest.py), so the workers end together.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=15 $(PYTEST_ARGS)

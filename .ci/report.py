@@ -21,6 +21,8 @@ _STACK_LINE = re.compile(
     r"^ci: STACK=(?P<stack>\S+) install (?P<install>\d+) s, pytest (?P<pytest>\d+) s: (?P<counts>.*?) "
     r"\((?P<selection>.*)\)$")
 _SLOW_LINE = re.compile(r"^ci: STACK=(?P<stack>\S+) slow: +(?P<seconds>[\d.]+) s (?P<test>.+)$")
+_WORKERS = re.compile(r"^workers: .*$", re.MULTILINE)  # tests/conftest.py: when each worker ended
+_CPU = re.compile(r"^cpu: .*$", re.MULTILINE)  # tests/conftest.py: the CPU seconds in all and the costliest phases
 
 
 def counts(log: str) -> dict[str, int]:
@@ -44,7 +46,9 @@ def stack_lines(stack: str, install_s: int, pytest_s: int, log: str, selection: 
     shown = ", ".join(f"{found.get(kind, 0)} {kind}" for kind in ("passed", "failed", "skipped", "error")) \
         if found else "no pytest summary (stopped or did not start)"
     lines = [f"ci: STACK={stack} install {install_s} s, pytest {pytest_s} s: {shown} ({selection})"]
+    lines += [f"ci: STACK={stack} {m.group(0)}" for m in _WORKERS.finditer(log)][-1:]
     lines += [f"ci: STACK={stack} slow: {seconds:8.1f} s {test}" for seconds, test in slowest(log)]
+    lines += [f"ci: STACK={stack} {m.group(0)}" for m in _CPU.finditer(log)]
     return lines
 
 

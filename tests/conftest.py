@@ -105,3 +105,55 @@ def one_process_model_parallel(cpu_mode):
         parallel_state.destroy_model_parallel()
     if not group_was_there:
         torch.distributed.destroy_process_group()
+
+
+_WORKER_SPANS: dict[str, list[float]] = {}  # worker -> [first test's start, last test's stop] (epoch seconds)
+_CPU: dict[str, float] = {}  # "nodeid (phase)" -> CPU seconds
+_cpu_mark = [0.0]  # this process's CPU seconds at its last report
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and those of the children it waited for (a test's subprocesses and launches;
+    not a Slurm job's, which slurmd runs)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's CPU seconds on its report: on a saturated 2-core machine, what a test costs."""
+    outcome = yield
+    now = _cpu_seconds()
+    outcome.get_result().user_properties.append(("cpu_s", now - _cpu_mark[0]))
+    _cpu_mark[0] = now
+
+
+def pytest_collection_finish(session):
+    _cpu_mark[0] = _cpu_seconds()  # the imports of collection are not the first test's
+
+
+def pytest_runtest_logreport(report):
+    """Each worker's span and each phase's CPU seconds, as the controller receives the reports (pytest-xdist
+    names the worker in ``report.node``): the summary's ``workers:`` line shows how long one worker ran alone at
+    the end, its ``cpu:`` lines the costliest phases."""
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    span = _WORKER_SPANS.setdefault(gateway.id if gateway else "main", [report.start, report.stop])
+    span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+    cpu = dict(report.user_properties).get("cpu_s")
+    if cpu is not None:
+        _CPU[report.nodeid if report.when == "call" else f"{report.nodeid} ({report.when})"] = cpu
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CPU:
+        terminalreporter.write_line(f"cpu: {sum(_CPU.values()):.0f} s in all; the 15 costliest phases:")
+        for seconds, phase in sorted(((s, p) for p, s in _CPU.items()), reverse=True)[:15]:
+            terminalreporter.write_line(f"cpu: {seconds:8.1f} s {phase}")
+    if len(_WORKER_SPANS) < 2:
+        return
+    start = min(first for first, _ in _WORKER_SPANS.values())
+    ends = sorted((last - start, name) for name, (_, last) in _WORKER_SPANS.items())
+    terminalreporter.write_line("workers: " + ", ".join(f"{name} ended at {end:.0f} s" for end, name in ends)
+                                + f"; the last ran alone for {ends[-1][0] - ends[-2][0]:.0f} s")

@@ -21,6 +21,9 @@ PYTEST_LOG = """\
 0.40s teardown tests/test_a.py::test_b
 =========================== short test summary info ============================
 SKIPPED [2] tests/test_upstream_api.py:73: gone
+workers: gw1 ended at 281 s, gw0 ended at 300 s; the last ran alone for 19 s
+cpu: 514 s in all; the 15 costliest phases:
+cpu:    189.8 s tests/test_layout_matrix.py::test_cycle (setup)
 =========== 374 passed, 1 failed, 2 skipped, 50 warnings in 300.64s (0:05:00) ============
 """
 
@@ -43,8 +46,11 @@ def test_a_stacks_lines_and_the_table_made_from_them(tmp_path):
                           "-m stack"], capture_output=True, text=True, check=True)
     lines = run.stdout.splitlines()
     assert lines[0] == "ci: STACK=26.08 install 22 s, pytest 301 s: 374 passed, 1 failed, 2 skipped, 0 error (-m stack)"
-    assert lines[3] == "ci: STACK=26.08 slow:     37.2 s tests/test_kill_safe.py::test_sigterm[setting up]"
-    assert len(lines) == 5  # the summary and the four phases the log lists
+    assert lines[1] == "ci: STACK=26.08 workers: gw1 ended at 281 s, gw0 ended at 300 s; the last ran alone for 19 s"
+    assert lines[4] == "ci: STACK=26.08 slow:     37.2 s tests/test_kill_safe.py::test_sigterm[setting up]"
+    assert lines[6:] == ["ci: STACK=26.08 cpu: 514 s in all; the 15 costliest phases:",
+                         "ci: STACK=26.08 cpu:    189.8 s tests/test_layout_matrix.py::test_cycle (setup)"]
+    assert len(lines) == 8  # the summary, the workers, the four phases the log lists and the CPU lines
     ci_log = tmp_path / "ci.log"
     ci_log.write_text("noise\n" + run.stdout + "ci: all stacks: 2650 s of the 2700 s target (98 %)\n")
     table = subprocess.run([sys.executable, str(REPO / ".ci" / "report.py"), "table", str(ci_log)],
