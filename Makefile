@@ -109,11 +109,9 @@ demo: install
 	  checkpoint.load=$(DEMO_RUN)/checkpoints logger.tensorboard_dir=$(DEMO_RUN)/tb_logs
 
 # PYTEST_ARGS narrows a run, e.g. PYTEST_ARGS='-m "stack and not heavy and not once"' (.ci/run's 26.08 run).
-# PYTEST_WORKERS: two for the whole suite, which keeps CI's 2 cores busy (26.02: 1,040 s with two, 1,046 s with
-# three, the Slurm test's timed signals under more load); .ci/run gives the per-stack selections three, whose
-# workers often wait on the processes they launch (26.08: 89 % busy and 320 s with two, 97 % and 281 s with
-# three; docs/testing.md). Whole modules to a worker (--dist loadfile: a module's fixtures are made once), the
-# costliest modules first (tests/conftest.py), so the workers end together.
+# PYTEST_WORKERS: two, CI's cores (three measured no faster in CI, where the next stack installs beside the tests:
+# 26.08 377 s with three, 378 s with two; docs/testing.md). Whole modules to a worker (--dist loadfile: a module's
+# fixtures are made once), the costliest modules first (tests/conftest.py), so the workers end together.
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
