@@ -441,6 +441,13 @@ def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str
         (tmp / "data.json").write_text(json.dumps(record, indent=1) + "\n")
         for suffix in (".bin", ".idx", ".json"):  # the record last: it marks a complete dataset
             publish(tmp / f"data{suffix}", f"{prefix}{suffix}")
+    except BaseException as exc:
+        from bridge_ext.checkpoints.disk_space import no_space_for_output
+
+        full = no_space_for_output(prefix, exc, what="writing")  # before the partial files free their room
+        if full is not None:
+            raise full from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -473,9 +480,13 @@ def blend_problems(cfg: Any) -> list[str]:
     """
     dataset = cfg.dataset
     prefixes: list[str] = []
+    split_of: dict[str, str] = {}  # a blend_per_split prefix -> the split it alone feeds
     for blend in [getattr(dataset, "blend", None), *(getattr(dataset, "blend_per_split", None) or [])]:
         if blend:
             prefixes.extend(str(p) for p in blend[0])
+    for name, blend in zip(_SPLITS, getattr(dataset, "blend_per_split", None) or []):
+        for prefix in (blend[0] if blend else []):
+            split_of.setdefault(str(prefix), name)
     out = []
     vocab = getattr(cfg.model, "vocab_size", None)
     tok = cfg.tokenizer
@@ -490,7 +501,13 @@ def blend_problems(cfg: Any) -> list[str]:
             out.append(f"dataset.blend: {prefix}{missing[0]} does not exist (make it with `nemo llm prepare-data`)")
             continue
         split = getattr(dataset, "split", None)
-        if split and getattr(dataset, "blend", None):
+        if prefix in split_of:  # its split takes the whole dataset
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+            if len(IndexedDataset(prefix).document_indices) - 1 == 0:
+                out.append(f"dataset.blend_per_split: {prefix} ({split_of[prefix]} split) holds no documents, "
+                           "which Megatron cannot build; prepare it from more text or leave it out")
+        elif split and getattr(dataset, "blend", None):
             from megatron.core.datasets.indexed_dataset import IndexedDataset
 
             documents = len(IndexedDataset(prefix).document_indices) - 1

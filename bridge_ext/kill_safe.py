@@ -18,7 +18,9 @@
   is called nowhere for the trainer); this callback installs it when training starts.
 * :func:`held_exit_signal`: from the command's start until training starts, the exit signal is noted instead of
   killing the process (Slurm's time-limit SIGTERM or a preemption can come while the run imports, builds or
-  loads); :func:`graceful_stop` then stops the run after its first iteration, with a save. After training ends
+  loads); :func:`graceful_stop` then stops the run after its first iteration, with a save. A start-up that has
+  not reached training ``STARTUP_GRACE_S`` after the signal (300 s; ``BRIDGE_EXT_STARTUP_GRACE_S``) ends there,
+  in one line, nothing saved, exit 128 + the signal (before, a start-up that never ends ignored it). After training ends
   it is noted again until the command returns: Slurm's time-limit signal comes from a sweep every 30 s, so it can
   land after the last iteration, while the run tears down; the run has finished and saved, and it exits 0 saying
   so (before, it died of the signal with 143 and the job ended FAILED, not requeued).
@@ -122,12 +124,20 @@ def atomic_save_checkpoint(original):
             _uncommit(save)
         _active = save
         try:
-            result = original(*args, **kwargs)
-        finally:
-            _active = None
-        if not save.is_async:
-            _write_record(save)
-            _commit(save)
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                _active = None
+            if not save.is_async:
+                _write_record(save)
+                _commit(save)
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            from bridge_ext.checkpoints.disk_space import no_space_error
+
+            full = no_space_error(save.save_dir, save.iteration, exc)
+            if full is None:
+                raise
+            raise full from None  # the trackers still name the last complete save
         _saved.add(key)
         return result
 
@@ -306,21 +316,58 @@ def stop_line(cfg: Any) -> str | None:
     return f"on {name}: finishes the current iteration, saves a checkpoint to {cfg.checkpoint.save}, exits 0"
 
 
+# How long a signal held during start-up waits for training to start (issue 50: a start-up that never reaches
+# training -- megatron-core's GPTDataset spinning on an empty split -- ignored SIGTERM for as long as it was left).
+# Before training there is nothing new to save, so giving up loses nothing; loading a large checkpoint can take
+# minutes, hence minutes. BRIDGE_EXT_STARTUP_GRACE_S sets it (seconds).
+STARTUP_GRACE_S = 300.0
+
+
+def startup_grace_s() -> float:
+    value = os.environ.get("BRIDGE_EXT_STARTUP_GRACE_S", "")
+    try:
+        return float(value) if value else STARTUP_GRACE_S
+    except ValueError:
+        return STARTUP_GRACE_S
+
+
 @dataclass
 class _Hold:
     previous: Any  # the handler before the hold
     received: bool = False
     after_training: bool = False  # training ran and ended: a signal now finds nothing left to stop
+    deadline: Any = None  # a threading.Timer: the start-up bound, running from the first signal noted
 
     def note(self, signum: int, frame: Any) -> None:
         self.received = True
+        if self.deadline is None and not self.after_training:
+            import threading
+
+            grace = startup_grace_s()
+            self.deadline = threading.Timer(grace, _give_up_start_up, args=(signum, grace))
+            self.deadline.daemon = True
+            self.deadline.start()
+
+    def training_started(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
 
     def release(self, sig: int) -> None:
         """Hand the signal back to the previous handler; one that came meanwhile is delivered to it now."""
+        self.training_started()
         signal.signal(sig, self.previous)
         if self.received:
             self.received = False
             signal.raise_signal(sig)
+
+
+def _give_up_start_up(signum: int, grace: float) -> None:
+    """The start-up bound passed with the signal held and training not started: end the process now (from the
+    timer's thread: the main thread may be in a loop that never returns), as the signal would have."""
+    name = signal.Signals(signum).name
+    print(f"{name} came during start-up and training had not started {grace:.0f} s later: the run ends, nothing "
+          "saved", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 _holds: dict[int, _Hold] = {}
@@ -384,6 +431,7 @@ def graceful_stop():
             handler = context.state.signal_handler
             hold = self.hold = _holds.get(handler.sig)
             if hold is not None:  # upstream's handler restores the one before the hold when the run ends
+                hold.training_started()
                 signal.signal(handler.sig, hold.previous)
             current = signal.getsignal(handler.sig)
             if "DistributedSignalHandler" not in getattr(current, "__qualname__", ""):  # not installed yet

@@ -33,11 +33,13 @@ from bridge_ext.initialization import Init
 from bridge_ext.runtime import is_last_rank, is_rank_zero, launcher_world_size, read_yaml, world_size
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from recipes import Recipe
 
 __all__ = ["CPU_PARAM_LIMIT", "Prepared", "Stop", "eval_recorder", "import_on_the_fly", "import_target",
            "loss_recorder", "prepare", "read_eval", "read_losses", "read_records", "records_losses_here",
-           "run_finetune", "run_pretrain", "train", "use_finetune_data", "write_loss_curve"]
+           "run_finetune", "run_pretrain", "save_bytes", "train", "use_finetune_data", "write_loss_curve"]
 
 Device = Literal["auto", "gpu", "cpu"]
 Data = Literal["auto", "text", "mock"]
@@ -82,11 +84,14 @@ def prepare(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "
         from bridge_ext.data import use_text_corpus
 
         description = use_text_corpus(cfg, quiet=quiet)
-    if getattr(cfg.tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer" and hasattr(cfg.dataset, "blend"):
+    if hasattr(cfg.dataset, "blend"):  # whatever the tokenizer: an empty split hangs megatron-core's dataset build
         from bridge_ext.corpus import check_real_data
+
+        check_real_data(cfg)  # the tokenizer fits the model; the blend exists, its splits hold documents, and it
+        # was made with this tokenizer
+    if getattr(cfg.tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer" and hasattr(cfg.dataset, "blend"):
         from bridge_ext.tokenizers import use_megatron_tokenizer
 
-        check_real_data(cfg)  # the tokenizer fits the model; the blend exists and was made with this tokenizer
         use_megatron_tokenizer(cfg, quiet=quiet)  # a Kimi K2 (tiktoken) directory: converted once, no remote code
     patches.apply("stack")  # megatron-core 0.16 + emerging-optimizers 0.3.0 need them on GPUs too
     if use_cpu:
@@ -174,6 +179,9 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     note = relayout.prepare(cfg, world_size=world_size())
     if note:
         print(note, file=sys.stderr, flush=True)
+    from bridge_ext.checkpoints import writer_lock
+
+    writer_lock.hold(cfg.checkpoint.save)  # after the checks that refuse a run: a refused run writes nothing
     stop = kill_safe.graceful_stop()
     owns_group = prepared.use_cpu and not torch.distributed.is_initialized()
     if owns_group:
@@ -189,7 +197,11 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
         stopped = ("signal" if stop.received else "time limit" if limit and time.time() - started > 60 * limit
                    else "exit interval" if cfg.train.exit_interval else None)
         if exc.code not in (0, None) or stopped is None:
+            _forget_the_failed_run()
             raise
+    except BaseException:
+        _forget_the_failed_run()
+        raise
     finally:
         stop.release()
         # The run's reference cycles now, not at some later full collection: they hold its process groups,
@@ -200,11 +212,55 @@ def run_pretrain(cfg: Any, prepared: Prepared, *, callbacks: list[Any] = ()) -> 
     return stopped
 
 
+def _forget_the_failed_run() -> None:
+    """A run that raised (a full disk, a bad batch) skipped Megatron Bridge's own clean-up: its process globals
+    would refuse the next run in this process (the Python API, a notebook: "num microbatches calculator is already
+    initialized")."""
+    from bridge_ext.process_state import reset_megatron_globals
+
+    reset_megatron_globals()
+
+
+def save_bytes(recipe: Recipe, cfg: Any) -> int:
+    """About the bytes of one save of ``recipe``'s run with ``cfg``: each parameter's weight (4 B in fp32, 2 B
+    in bf16), its fp32 main copy (bf16 runs: 4 B) and its optimizer state (Muon's momentum 4 B for the
+    matrices Muon takes, Adam's two moments 8 B for the rest); the routes from the recipe's Muon manifest
+    (bridge_ext.muon.manifest: the shipped config's shapes)."""
+    from bridge_ext.muon import muon_plan
+    from recipes.optimizers import is_muon
+
+    rows = muon_plan(recipe).rows
+    total = sum(r.params for r in rows)
+    muon = sum(r.params for r in rows if r.route == "muon") if is_muon(cfg.optimizer.optimizer) else 0
+    bf16 = isinstance(cfg.mixed_precision, str) and cfg.mixed_precision.startswith("bf16")
+    return total * (2 + 4 if bf16 else 4) + muon * 4 + (total - muon) * 8
+
+
+def _warn_when_saves_do_not_fit(recipe: Recipe, cfg: Any, say: Callable[..., None]) -> None:
+    """Before the first save: one line when fewer than two saves fit on checkpoint.save's filesystem (a LoRA
+    run saves its adapters only: not estimated)."""
+    if not cfg.checkpoint.save or "://" in str(cfg.checkpoint.save) or getattr(recipe, "mode", None) == "lora" \
+            or not is_rank_zero():
+        return
+    from bridge_ext.checkpoints.disk_space import space_note
+
+    note = space_note(cfg.checkpoint.save, save_bytes(recipe, cfg))
+    if note:
+        say(note, file=sys.stderr)
+
+
 def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "auto", checksums: bool = True,
           init: Init = "by-name") -> Stop | None:
     """``nemo llm pretrain``'s run of a resolved config on this machine, with its console lines; in CPU mode
     the loss curve too (``losses.jsonl`` and ``loss.png`` next to the checkpoints). Why it stopped early, after
     saving (the same command resumes it; :func:`run_pretrain`), or None."""
+    from bridge_ext.checkpoints.writer_lock import run_scope
+
+    with run_scope():  # the checkpoint directory's lock (taken in run_pretrain) lasts until the curve is written
+        return _train(recipe, cfg, device=device, data=data, checksums=checksums, init=init)
+
+
+def _train(recipe: Recipe, cfg: Any, *, device: Device, data: Data, checksums: bool, init: Init) -> Stop | None:
     import signal
 
     prepared = prepare(recipe, cfg, device=device, data=data, checksums=checksums, init=init)
@@ -221,6 +277,7 @@ def train(recipe: Recipe, cfg: Any, *, device: Device = "auto", data: Data = "au
         run_dir = Path(cfg.checkpoint.save or f"nemo_experiments/{recipe.name}")
         losses = run_dir / "losses.jsonl"
         callbacks.append(loss_recorder(losses))
+    _warn_when_saves_do_not_fit(recipe, cfg, say)
     stopped = run_pretrain(cfg, prepared, callbacks=callbacks)
     if stopped:
         from bridge_ext.checkpoints import read_tracker
@@ -431,6 +488,17 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
     ``data``: a JSONL path or the name of a shipped set (``stdlib-signatures``). On CPU the training and
     held-out losses go to ``losses.jsonl`` / ``eval.jsonl`` in ``record_dir`` (default: the run directory;
     ``loss_extra`` is the first line of ``losses.jsonl``, as ``nemo llm compare`` writes it)."""
+    from bridge_ext.checkpoints.writer_lock import run_scope
+
+    with run_scope():  # the checkpoint directory's lock (taken in run_pretrain) lasts until the merge is written
+        return _run_finetune(recipe, cfg, data=data, device=device, callbacks=callbacks, quiet=quiet,
+                             record_dir=record_dir, loss_extra=loss_extra, telemetry=telemetry, checksums=checksums,
+                             init=init)
+
+
+def _run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str, callbacks: list[Any], quiet: bool,
+                  record_dir: Path | None, loss_extra: dict[str, Any] | None, telemetry: bool, checksums: bool,
+                  init: Init) -> Path:
     say = print if is_rank_zero() and not quiet else (lambda *a, **k: None)
     data, prepared_data, tokenizer = use_finetune_data(recipe, cfg, data)
     say(f"data: {data}: {prepared_data.train} training and {prepared_data.validation} held-out records, rendered "
@@ -460,6 +528,7 @@ def run_finetune(recipe: Any, cfg: Any, *, data: str | Path, device: str = "auto
         from bridge_ext.finetune.lora import MERGED_DIR, merged_lora_saver
 
         recorders.append(merged_lora_saver(Path(cfg.checkpoint.save) / MERGED_DIR, tokenizer_dir=tokenizer))
+    _warn_when_saves_do_not_fit(recipe, cfg, say)
     run_pretrain(cfg, prepared, callbacks=[*recorders, *callbacks])
     if prepared.use_cpu:
         evals = read_eval(records / "eval.jsonl")

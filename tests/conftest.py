@@ -147,7 +147,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _CPU:
+    if _CPU and terminalreporter.config.getoption("durations") is not None:  # with --durations (make test, CI)
         terminalreporter.write_line(f"cpu: {sum(_CPU.values()):.0f} s in all; the 15 costliest phases:")
         for seconds, phase in sorted(((s, p) for p, s in _CPU.items()), reverse=True)[:15]:
             terminalreporter.write_line(f"cpu: {seconds:8.1f} s {phase}")

@@ -5,7 +5,8 @@ chosen moment of a checkpoint save, the way a scheduler or a node failure would:
 
     EVENTS_JSON: [{"before": "run_config.yaml", "iteration": 4, "signal": "KILL"},   # a file of iter_0000004
                   {"before": "tokenizer/", "iteration": 4, "signal": "KILL"},        # its first file in tokenizer/
-                  {"step": 5, "signal": "TERM"}]                                    # when iteration 5 starts
+                  {"step": 5, "signal": "TERM"},                                    # when iteration 5 starts
+                  {"hang": "before training"}]                                      # pretrain() never trains
 
 Test code only: the moments are found with a Python audit hook (files opened for writing, renames) and a
 wrapper around ``torch.save`` (which opens a path in C++), and the start of an iteration with a wrapper around
@@ -76,6 +77,17 @@ def _install(events: list[dict]) -> None:
         return original(*args, **kwargs)
 
     train.train_step = train_step
+    if any("hang" in e for e in pending):  # start-up never trains (megatron-core's GPTDataset on an empty split)
+        import time
+
+        from megatron.bridge.training import pretrain as module
+
+        def pretrain(*args, **kwargs):
+            os.write(2, b"HANGING before training\n")
+            while True:  # Python code: signals are handled, as in that loop
+                time.sleep(0.05)
+
+        module.pretrain = pretrain
 
 
 def main(events: str, argv: list[str]) -> int:

@@ -172,6 +172,31 @@ def test_cache_is_reused_and_force_rebuilds(tmp_cache, monkeypatch):
     assert data.prepare_text_corpus(quiet=True) != prefix
 
 
+@pytest.mark.slow
+@pytest.mark.stack  # the split's bounds are megatron-core's (blended_megatron_dataset_config)
+def test_a_blend_whose_split_leaves_one_empty_is_refused_whatever_the_tokenizer(nemo, tmp_path):
+    """Issue 50: the recipe's own tokenizer and split (``9999,8,2``) on the package's prepared corpus, named as a
+    plain ``dataset.blend``: megatron-core's ``GPTDataset._get_num_epochs`` spun forever on the empty test split
+    (the guard ran only with ``tokenizer.tokenizer_type=HuggingFaceTokenizer``). The dry run and the run refuse it
+    in one line, and the run writes nothing."""
+    prefix = data.prepare_text_corpus(quiet=True)
+    documents = data.corpus_info(prefix)["documents"]
+    # by hand, megatron's bounds: documents [round(a N), round(b N)) for the normalized book-ends of 9999,8,2
+    test_start = int(round((9999 + 8) / (9999 + 8 + 2) * documents + 1e-9))
+    assert documents - test_start == 0, documents  # the premise: this corpus leaves the test split empty
+    run = tmp_path / "run"
+    argv = ["llm", "pretrain", "--recipe", "qwen3_proxy_muon", f'dataset.blend=[["{prefix}"],null]',
+            f"checkpoint.save={run}", "train.train_iters=2"]
+    want = (f"error: dataset.split 9999,8,2 leaves the test split of {prefix} ({documents} documents) empty, which "
+            "Megatron cannot build; use more documents or a split with 0 for it (e.g. \"dataset.split='98,2,0'\")")
+    for extra in (["--dryrun"], []):
+        done = nemo([*argv, *extra], cwd=tmp_path)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.code == 2 and errors == [want], (extra, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not run.exists()
+
+
 def test_use_text_corpus_sets_blend_split_and_tokenizer(tmp_cache, monkeypatch):
     small_corpus(monkeypatch, 150_000)
     from bridge_ext.build import build_config

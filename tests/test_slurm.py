@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bridge_ext.checkpoints import writer_lock
 from tests.ckpt_io import bits_equal, read_global_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,6 +200,9 @@ def test_submitted_runs_and_stopped_requeued_runs_equal_the_one_process_run(on_c
         assert f"stopped on SIGTERM at iteration {stops[0]}" in first_attempt, case
         assert "job exited with code 0" in logs and f"requeueing job {job_id}" in logs, (case, logs[-3000:])
         assert "job exited with code 143" not in logs and "Traceback" not in logs, (case, logs[-3000:])
+        # the checkpoint directory's lock (issue 50): the stopped attempt's never blocked the requeued one's
+        assert "being written by another run" not in logs, (case, logs[-3000:])
+        assert writer_lock.holder(run)["slurm_job"] == job_id, (case, writer_lock.holder(run))
         assert_same_run(run, dp2[1], case)  # the same layout, cpu-dp2, uninterrupted
 
 

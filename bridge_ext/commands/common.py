@@ -189,7 +189,9 @@ def summary(resolved: Resolved, *, task_lines: list[str] = ()) -> str:
         if getattr(m, name, None):
             lines.append(f"benchmark   {name}={getattr(m, name)}: throughput only, do not keep the weights "
                          f"(megatron-core: \"{doc}\")")
-    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":  # a model's tokenizer directory: fits the model?
+    # a model's tokenizer directory: fits the model? A blend, whatever the tokenizer: its files, its splits
+    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer" or getattr(cfg.dataset, "blend", None) or \
+            getattr(cfg.dataset, "blend_per_split", None):
         from bridge_ext.corpus import check_real_data
 
         described = check_real_data(cfg)

@@ -61,12 +61,17 @@ def staged_output(target: Path) -> Iterator[Path]:
             else:
                 publish(staging, target)
         barrier()  # and every rank returns with the output in place (e.g. to export it next)
-    except BaseException:
+    except BaseException as exc:
+        from bridge_ext.checkpoints.disk_space import no_space_for_output
+
+        full = no_space_for_output(target, exc, what="writing")  # before the partial output frees its room
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         for path in created:  # parents we made for a conversion that produced nothing
             with contextlib.suppress(OSError):
                 path.rmdir()
+        if full is not None:
+            raise full from None
         raise
     finally:
         if previous is not None:
