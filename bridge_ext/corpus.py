@@ -444,7 +444,7 @@ def _build(files: list[InputFile], prefix: Path, *, tok, key: str, text_key: str
     except BaseException as exc:
         from bridge_ext.checkpoints.disk_space import no_space_for_output
 
-        full = no_space_for_output(prefix, exc, what="writing")  # before the partial files free their room
+        full = no_space_for_output(prefix, exc)  # before the partial files free their room
         if full is not None:
             raise full from None
         raise

@@ -20,10 +20,10 @@
   killing the process (Slurm's time-limit SIGTERM or a preemption can come while the run imports, builds or
   loads); :func:`graceful_stop` then stops the run after its first iteration, with a save. A start-up that has
   not reached training ``STARTUP_GRACE_S`` after the signal (300 s; ``BRIDGE_EXT_STARTUP_GRACE_S``) ends there,
-  in one line, nothing saved, exit 128 + the signal (before, a start-up that never ends ignored it). After training ends
-  it is noted again until the command returns: Slurm's time-limit signal comes from a sweep every 30 s, so it can
-  land after the last iteration, while the run tears down; the run has finished and saved, and it exits 0 saying
-  so (before, it died of the signal with 143 and the job ended FAILED, not requeued).
+  in one line, nothing saved, exit 128 + the signal (before, a start-up that never ended ignored it). After
+  training ends it is noted again until the command returns: Slurm's time-limit signal comes from a sweep every
+  30 s, so it can land after the last iteration, while the run tears down; the run has finished and saved, and it
+  exits 0 saying so (before, it died of the signal with 143 and the job ended FAILED, not requeued).
 * :func:`keep_helpers_with_trainer`: helper processes of a save die with the trainer, even on SIGKILL.
 
 Top-level imports stay light: the helper processes import this module to run :func:`exit_with_parent`.
@@ -348,13 +348,14 @@ class _Hold:
             self.deadline.daemon = True
             self.deadline.start()
 
-    def training_started(self) -> None:
+    def stop_deadline(self) -> None:
+        """Training started, or the hold ends: the start-up bound no longer applies."""
         if self.deadline is not None:
             self.deadline.cancel()
 
     def release(self, sig: int) -> None:
         """Hand the signal back to the previous handler; one that came meanwhile is delivered to it now."""
-        self.training_started()
+        self.stop_deadline()
         signal.signal(sig, self.previous)
         if self.received:
             self.received = False
@@ -431,7 +432,7 @@ def graceful_stop():
             handler = context.state.signal_handler
             hold = self.hold = _holds.get(handler.sig)
             if hold is not None:  # upstream's handler restores the one before the hold when the run ends
-                hold.training_started()
+                hold.stop_deadline()
                 signal.signal(handler.sig, hold.previous)
             current = signal.getsignal(handler.sig)
             if "DistributedSignalHandler" not in getattr(current, "__qualname__", ""):  # not installed yet

@@ -19,15 +19,15 @@ from pathlib import Path
 from bridge_ext.checkpoints.iterations import is_complete, iteration_dir, iterations
 from bridge_ext.errors import UserError
 
-__all__ = ["NoSpaceLeft", "human_bytes", "mount_point", "no_space_error", "no_space_for_output", "space_note", "tree_bytes"]
+__all__ = ["NoSpaceLeft", "human_bytes", "mount_point", "no_space_error", "no_space_for_output", "space_note",
+           "tree_bytes"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+_NEARLY_FULL = 16 * 2**20  # without a complete save to measure: this little room left is a full disk
 
 
 class NoSpaceLeft(UserError):
     """A write that failed for lack of space (one line, exit 2, as every :class:`UserError`)."""
-
-_NEARLY_FULL = 16 * 2**20  # without a complete save to measure: this little room left is a full disk
 
 
 def human_bytes(n: float) -> str:
@@ -76,8 +76,8 @@ def no_space_error(save_dir: str | Path, iteration: int, exc: BaseException) -> 
     need = f"a save takes {human_bytes(needed)}" if needed else "the first save did not fit"
     last = f"the last complete save is iteration {complete[-1]}" if complete else "nothing was saved yet"
     return NoSpaceLeft(f"the checkpoint save of iteration {iteration} into {save_dir} failed: no space left on "
-                     f"{mount_point(save_dir)} ({human_bytes(free)} free; {need}); {last}; free space and run "
-                     "the same command to resume")
+                       f"{mount_point(save_dir)} ({human_bytes(free)} free; {need}); {last}; free space and run "
+                       "the same command to resume")
 
 
 def space_note(save_dir: str | Path, per_save: int) -> str | None:
@@ -92,10 +92,11 @@ def space_note(save_dir: str | Path, per_save: int) -> str | None:
             "space or point checkpoint.save at a larger filesystem before the run needs it")
 
 
-def no_space_for_output(target: str | Path, exc: BaseException, *, what: str) -> NoSpaceLeft | None:
-    """The one-line error for writing ``target`` (``what``: "the import into", "prepare-data's") that failed with
-    ``exc`` for lack of space: the failure says ENOSPC / EDQUOT, or under 16 MiB is left where it wrote; None
-    otherwise. Called before the partial output is removed (it still takes its room)."""
+def no_space_for_output(target: str | Path, exc: BaseException) -> NoSpaceLeft | None:
+    """The one-line error for an output (``import``/``export --out``, ``prepare-data --out``) whose writing failed
+    with ``exc`` for lack of space: a checkpoint save inside it said so, the failure carries ENOSPC / EDQUOT, or
+    under 16 MiB is left where it wrote; None otherwise. Called before the partial output is removed (it still
+    takes its room)."""
     full_inside = isinstance(exc, NoSpaceLeft)  # a checkpoint save inside the conversion (iteration 0)
     if not full_inside and isinstance(exc, (UserError, KeyboardInterrupt, SystemExit, GeneratorExit)):
         return None  # a refusal says its own reason
@@ -103,5 +104,5 @@ def no_space_for_output(target: str | Path, exc: BaseException, *, what: str) ->
     free = shutil.disk_usage(where).free
     if not (full_inside or _says_full(exc) or free < _NEARLY_FULL):
         return None
-    return NoSpaceLeft(f"{what} {target} failed: no space left on {where} ({human_bytes(free)} free); nothing of it "
-                     "is kept; free space and run the same command again")
+    return NoSpaceLeft(f"writing {target} failed: no space left on {where} ({human_bytes(free)} free); nothing of "
+                       "it is kept; free space and run the same command again")

@@ -64,7 +64,7 @@ def staged_output(target: Path) -> Iterator[Path]:
     except BaseException as exc:
         from bridge_ext.checkpoints.disk_space import no_space_for_output
 
-        full = no_space_for_output(target, exc, what="writing")  # before the partial output frees its room
+        full = no_space_for_output(target, exc)  # before the partial output frees its room
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         for path in created:  # parents we made for a conversion that produced nothing
