@@ -18,8 +18,9 @@ from pathlib import Path
 
 from bridge_ext.checkpoints.iterations import is_complete, iteration_dir, iterations
 from bridge_ext.errors import UserError
+from bridge_ext.units import human_bytes
 
-__all__ = ["NoSpaceLeft", "human_bytes", "mount_point", "no_space_error", "no_space_for_output", "space_note",
+__all__ = ["NoSpaceLeft", "mount_point", "no_space_error", "no_space_for_output", "space_note",
            "tree_bytes"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -28,14 +29,6 @@ _NEARLY_FULL = 16 * 2**20  # without a complete save to measure: this little roo
 
 class NoSpaceLeft(UserError):
     """A write that failed for lack of space (one line, exit 2, as every :class:`UserError`)."""
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def mount_point(path: str | Path) -> Path:
@@ -73,11 +66,12 @@ def no_space_error(save_dir: str | Path, iteration: int, exc: BaseException) -> 
     free = shutil.disk_usage(mount_point(save_dir)).free
     if not (_says_full(exc) or free < (needed or _NEARLY_FULL)):
         return None
-    need = f"a save takes {human_bytes(needed)}" if needed else "the first save did not fit"
+    need = f"a save takes {human_bytes(needed, binary=True)}" if needed else "the first save did not fit"
     last = f"the last complete save is iteration {complete[-1]}" if complete else "nothing was saved yet"
+    room = human_bytes(free, binary=True)
     return NoSpaceLeft(f"the checkpoint save of iteration {iteration} into {save_dir} failed: no space left on "
-                       f"{mount_point(save_dir)} ({human_bytes(free)} free; {need}); {last}; free space and run "
-                       "the same command to resume")
+                       f"{mount_point(save_dir)} ({room} free; {need}); {last}; free space and run the same command "
+                       "to resume")
 
 
 def space_note(save_dir: str | Path, per_save: int) -> str | None:
@@ -87,9 +81,10 @@ def space_note(save_dir: str | Path, per_save: int) -> str | None:
     fit = int(free // per_save) if per_save else 2
     if fit >= 2:
         return None
-    return (f"warning: checkpoint.save {save_dir}: {human_bytes(free)} free on {mount_point(save_dir)} and a save "
-            f"takes about {human_bytes(per_save)}: {'only 1 save fits' if fit == 1 else 'not one save fits'}; free "
-            "space or point checkpoint.save at a larger filesystem before the run needs it")
+    room, save = human_bytes(free, binary=True), human_bytes(per_save, binary=True)
+    return (f"warning: checkpoint.save {save_dir}: {room} free on {mount_point(save_dir)} and a save takes about "
+            f"{save}: {'only 1 save fits' if fit == 1 else 'not one save fits'}; free space or point checkpoint.save "
+            "at a larger filesystem before the run needs it")
 
 
 def no_space_for_output(target: str | Path, exc: BaseException) -> NoSpaceLeft | None:
@@ -104,5 +99,6 @@ def no_space_for_output(target: str | Path, exc: BaseException) -> NoSpaceLeft |
     free = shutil.disk_usage(where).free
     if not (full_inside or _says_full(exc) or free < _NEARLY_FULL):
         return None
-    return NoSpaceLeft(f"writing {target} failed: no space left on {where} ({human_bytes(free)} free); nothing of "
-                       "it is kept; free space and run the same command again")
+    room = human_bytes(free, binary=True)
+    return NoSpaceLeft(f"writing {target} failed: no space left on {where} ({room} free); nothing of it is kept; "
+                       "free space and run the same command again")

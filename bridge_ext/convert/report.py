@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_ext.units import human_bytes
 from bridge_ext.convert.parallel import is_rank0
 from bridge_ext.errors import UserError
 
@@ -69,14 +70,6 @@ def record_source_use(summary: ConversionSummary, source: Any, used: set[str]) -
     unused = sorted(set(source.tensors) - used)
     if unused:
         summary.notes.append(f"{len(unused)} HF tensors not used by {source.architecture} (e.g. {unused[0]})")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError
 
 
 class TensorProgress:
